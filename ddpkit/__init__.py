@@ -1,0 +1,23 @@
+"""ddpkit: explore DDP, activation checkpointing, gradient accumulation and precision, live.
+
+Light at import: rank processes import this package too, so the notebook-only parts
+(widgets, plots) load on first use.
+"""
+from .errors import RankError, RankStalled
+from .launcher import Pool, RunHandle, RunResult, launch
+from .rank import Context
+
+__version__ = "0.1.0"
+
+_LAZY = {}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        module = importlib.import_module(_LAZY[name], __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+
+
+__all__ = ["Context", "Pool", "RankError", "RankStalled", "RunHandle", "RunResult", "launch"]

@@ -1,0 +1,39 @@
+"""Errors a run can end with. Both carry what a person needs to find the fault."""
+
+
+class RankError(RuntimeError):
+    """A rank raised (or died). ``rank`` is the culprit, not the first peer to notice.
+
+    ``traceback`` is the culprit's full original traceback; ``peers`` maps every other failed
+    rank to a one-line summary (usually a connection error caused by the culprit).
+    """
+
+    def __init__(self, rank, exc_type, message, traceback, peers=None, step=None):
+        self.rank, self.exc_type, self.message = rank, exc_type, message
+        self.traceback, self.peers, self.step = traceback, dict(peers or {}), step
+        where = f" at step {step}" if step is not None else ""
+        text = f"rank {rank} failed{where}: {exc_type}: {message}"
+        if traceback:
+            text += f"\n\n--- traceback from rank {rank} ---\n{traceback.rstrip()}"
+        for r, summary in sorted(self.peers.items()):
+            text += f"\n(rank {r} then failed too: {summary})"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (RankError, (self.rank, self.exc_type, self.message, self.traceback,
+                            self.peers, self.step))
+
+
+class RankStalled(RuntimeError):
+    """One or more ranks sent nothing for ``timeout_s`` seconds; the run was ended."""
+
+    def __init__(self, ranks, last_steps, timeout_s):
+        self.ranks, self.last_steps, self.timeout_s = list(ranks), dict(last_steps), timeout_s
+        where = ", ".join(f"rank {r} (last step {last_steps.get(r)})" for r in self.ranks)
+        super().__init__(
+            f"no progress for {timeout_s}s from {where}; every rank was ended. A collective that "
+            f"never completes (one rank waiting for a peer that skipped it, e.g. uneven inputs) "
+            f"looks like this. Raise stall_timeout_s if a step legitimately takes that long.")
+
+    def __reduce__(self):
+        return (RankStalled, (self.ranks, self.last_steps, self.timeout_s))

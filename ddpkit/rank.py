@@ -1,0 +1,304 @@
+"""What runs inside each rank process: the trampoline, the process group, the `Context`.
+
+A spawned child starts in `rank_main` (a module-level function, so spawn can find it by name).
+The user's function arrives as cloudpickle bytes over the rank's pipe, which is why a function
+or an ``nn.Module`` class defined in a notebook cell works: it travels by value, not by name.
+
+Everything the rank says goes back over that one pipe as small tuples ``(kind, rank, payload, t)``:
+``started``, ``metric``, ``print``, ``return``, ``error``. The kernel never reads a rank's stdout:
+file descriptors 1 and 2 are re-pointed at a pipe whose lines are forwarded as ``print`` messages,
+so rank output cannot land in whichever notebook cell happens to be running.
+
+The same `Context` is built from the environment under ``torchrun`` (`Context.from_env`), so the
+training code is one function whichever launcher started it.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from . import shipping
+
+
+def _plain(value):
+    """Turn 0-d tensors and numpy scalars into Python numbers so records pickle small."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():
+        return value.item()
+    return value
+
+
+class _Channel:
+    """One rank's pipe to the kernel; thread-safe because output forwarding sends too."""
+
+    def __init__(self, conn, rank):
+        self.conn, self.rank = conn, rank
+        self._lock = threading.Lock()
+
+    def send(self, kind, payload=None):
+        with self._lock:
+            try:
+                self.conn.send((kind, self.rank, payload, time.time()))
+            except (BrokenPipeError, EOFError, OSError):
+                pass  # the kernel is gone or stopped us; nothing left to tell
+
+    def poll(self):
+        with self._lock:
+            return self.conn.poll()
+
+    def recv(self):
+        return self.conn.recv()
+
+
+class Context:
+    """What the user's function receives as its first argument.
+
+    ``rank``, ``world_size``, ``local_rank``, ``device``, ``backend``, ``is_main`` (rank 0),
+    ``seed``; ``log(**fields)`` streams one record to the kernel; ``barrier()``;
+    ``sync_controls()`` returns the settings the kernel changed mid-run, the same on every rank.
+    """
+
+    def __init__(self, rank, world_size, local_rank, device, backend, seed=0, channel=None):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.device, self.backend, self.seed = device, backend, seed
+        self.is_main = rank == 0
+        self._channel = channel
+        self._controls = {}
+        self.last_step = None
+
+    @classmethod
+    def from_env(cls, seed=0):
+        """A Context for a process started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK set)."""
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local
+        backend = "nccl" if use_cuda else "gloo"
+        device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+        return cls(rank, world, local, device, backend, seed)
+
+    def log(self, **fields):
+        """Send one record (a flat dict of numbers/strings) to the kernel, now."""
+        record = {k: _plain(v) for k, v in fields.items()}
+        if "step" in record:
+            self.last_step = record["step"]
+        if self._channel is not None:
+            self._channel.send("metric", record)
+        elif self.is_main:  # under torchrun there is no kernel: print rank 0's records
+            print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in record.items()), flush=True)
+
+    def barrier(self):
+        if dist.is_initialized():
+            dist.barrier()
+
+    def sync_controls(self):
+        """Rank 0 reads settings the kernel sent while running; every rank gets the same dict.
+
+        Collective: every rank must call it at the same point (the train loop does, once per
+        optimizer step), which is what makes a mid-run change land on all ranks together.
+        """
+        fresh = {}
+        if self.is_main and self._channel is not None:
+            while self._channel.poll():
+                msg = self._channel.recv()
+                if msg[0] == "control":
+                    fresh.update(msg[1])
+        if dist.is_initialized() and self.world_size > 1:
+            box = [fresh]
+            dist.broadcast_object_list(box, src=0)
+            fresh = box[0]
+        return fresh
+
+
+def apply_job_state(seed, flags):
+    """Seed every RNG and copy the kernel's determinism flags, before each job."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.use_deterministic_algorithms(flags["deterministic"], warn_only=flags["warn_only"])
+    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+
+
+def capture_job_state():
+    """The kernel's determinism flags, as carried into ranks."""
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+    }
+
+
+def init_group(rank, world_size, backend, host, port, timeout_s):
+    """Join the kernel's TCPStore and bring the process group up."""
+    store = dist.TCPStore(host, port, world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def destroy_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _OutputForwarder:
+    """Point fds 1 and 2 at a pipe and forward its lines as ``print`` messages.
+
+    ``sync()`` waits until every line written so far has been sent, so a rank's prints always
+    reach the kernel before its ``return`` message does.
+    """
+
+    _MARK = b"\x00ddpkit-sync\n"
+
+    def __init__(self, channel):
+        self.channel = channel
+        self._synced = threading.Event()
+        read_fd, write_fd = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        self._thread = threading.Thread(target=self._pump, args=(read_fd,),
+                                        name="ddpkit-output", daemon=True)
+        self._thread.start()
+
+    def _pump(self, read_fd):
+        with os.fdopen(read_fd, "rb") as pipe:
+            for raw in pipe:
+                if raw == self._MARK:
+                    self._synced.set()
+                else:
+                    self.channel.send("print", raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def sync(self, timeout=2.0):
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        self._synced.clear()
+        os.write(1, self._MARK)
+        self._synced.wait(timeout)
+
+    def finish(self):
+        """Close our ends so the pump sees EOF after the last line, then wait for it."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os.close(1)
+        os.close(2)
+        self._thread.join(timeout=2)
+
+
+def _watch_parent(ppid):
+    """A rank whose kernel died (kill -9, crash) exits on its own within a second."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != ppid:
+            os._exit(3)
+
+
+def _hard_exit_after(seconds, code):
+    """Teardown that hangs (a dead peer) must not keep the process alive."""
+    timer = threading.Timer(seconds, os._exit, args=(code,))
+    timer.daemon = True
+    timer.start()
+
+
+def _error_payload(exc, ctx, phase):
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # start at the user's code, not at this trampoline
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
+        "step": ctx.last_step if ctx is not None else None,
+        "phase": phase,
+    }
+
+
+def rank_main(rank, world_size, conn, spec):
+    """Entry point of every spawned rank. ``spec`` is a plain dict built by the launcher."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides when ranks stop
+    threading.Thread(target=_watch_parent, args=(spec["ppid"],), daemon=True).start()
+    channel = _Channel(conn, rank)
+    output = _OutputForwarder(channel)
+    torch.set_num_threads(spec["threads"])
+    ctx, code = None, 0
+    try:
+        if spec["device_type"] == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR=spec["host"], MASTER_PORT=str(spec["port"]))
+        init_group(rank, world_size, spec["backend"], spec["host"], spec["port"],
+                   spec["pg_timeout_s"])
+        ctx = Context(rank, world_size, rank, device, spec["backend"], channel=channel)
+        channel.send("ready")
+        while True:
+            msg = conn.recv()
+            if msg[0] != "job":
+                break  # "close": the pool is shutting down
+            ok = _run_job(ctx, channel, output, msg[1])
+            code = 0 if ok else 1
+            if not ok or not spec["persistent"]:
+                break
+    except BaseException as exc:  # init failed, or the kernel closed the pipe
+        if not isinstance(exc, EOFError):
+            channel.send("error", _error_payload(exc, ctx, "init"))
+            code = 1
+    finally:
+        _hard_exit_after(5, code)
+        try:
+            destroy_group()
+        except Exception:
+            pass
+        output.finish()
+        # os._exit, not a normal exit: gloo's teardown can abort the interpreter at exit
+        # (TORCH_NOTES: SIGABRT in 2-3 of 20 runs), which must not spoil a reported result.
+        os._exit(code)
+
+
+def _run_job(ctx, channel, output, job):
+    """Run one job; True when it returned normally."""
+    ctx.last_step = None
+    try:
+        fn, args, kwargs = shipping.loads(job["payload"])
+        apply_job_state(job["seed"], job["flags"])
+        ctx.seed = job["seed"]
+        channel.send("started")
+        value = fn(ctx, *args, **kwargs)
+        try:
+            blob = cloudpickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(f"rank {ctx.rank} returned a {type(value).__name__} that cannot be "
+                            f"pickled ({exc}); return plain data (numbers, dicts, CPU tensors)") from exc
+        output.sync()
+        channel.send("return", blob)
+        return True
+    except BaseException as exc:
+        output.sync()
+        channel.send("error", _error_payload(exc, ctx, "run"))
+        return False
