@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import os
 import signal
 import sys
@@ -77,6 +78,14 @@ def check_picklable(fn, args, kwargs):
         raise TypeError(f"launch() needs a function to run on each rank, got {type(fn).__name__} "
                         f"{fn!r}; pass a callable like `def work(ctx, ...)`")
     try:
+        inspect.signature(fn).bind(None, *args, **kwargs)  # None stands for ctx
+    except TypeError as exc:
+        raise TypeError(f"{getattr(fn, '__name__', fn)}(ctx, ...) cannot take these arguments: "
+                        f"{exc}. The first parameter receives the rank's Context; pass the rest "
+                        f"after the function") from None
+    except ValueError:
+        pass  # no signature to check (some builtins)
+    try:
         return shipping.dumps((fn, tuple(args), dict(kwargs)))
     except Exception as exc:
         named = [("the function", fn)] + [(f"argument {i} ({type(a).__name__})", a)
@@ -109,31 +118,42 @@ def _new_store(port, attempts=3):
     raise RuntimeError(f"no free rendezvous port after {attempts} attempts")
 
 
-def _end_processes(procs, grace_s=2.0):
-    """SIGTERM every live process (and its children), SIGKILL what is left, reap all."""
-    victims = []
+def _end_processes(procs, settle_s=0.0, grace_s=2.0):
+    """Let ranks exit by themselves for settle_s, then SIGTERM, then SIGKILL; reap every one.
+
+    multiprocessing reaps its own children (``join``), so exit codes stay known; grandchildren
+    (a DataLoader's workers, say) are found with psutil first and ended the same way.
+    """
+    kids = []
     for p in procs:
-        if p.pid is None:
-            continue
         try:
-            ps = psutil.Process(p.pid)
-            victims += ps.children(recursive=True) + [ps]
-        except psutil.NoSuchProcess:
+            kids += psutil.Process(p.pid).children(recursive=True)
+        except (psutil.NoSuchProcess, ValueError):
             pass
-    for v in victims:
-        try:
-            v.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=grace_s)
-    for v in alive:
-        try:
-            v.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
+    deadline = time.monotonic() + settle_s
     for p in procs:
-        p.join(timeout=grace_s)  # reap: no zombie
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    live = [p for p in procs if p.exitcode is None]
+    for p in live:
+        p.terminate()
+    for k in kids:
+        try:
+            k.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in live:
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=grace_s)
+    _, stubborn = psutil.wait_procs(kids, timeout=grace_s)
+    for k in stubborn:
+        try:
+            k.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -189,8 +209,9 @@ class _Group:
     def send(self, rank, msg):
         self.conns[rank].send(msg)
 
-    def close(self, graceful=False):
-        """End every rank and free the port. graceful: ask a pool's ranks to leave first."""
+    def close(self, settle_s=0.0, graceful=False):
+        """End every rank and free the port. settle_s: time ranks get to exit by themselves
+        (they do right after returning); graceful: first ask a pool's ranks to leave."""
         if self.closed:
             return
         self.closed = True
@@ -200,9 +221,11 @@ class _Group:
                     c.send(("close",))
                 except OSError:
                     pass
-            for p in self.procs:
-                p.join(timeout=3)
-        _end_processes(self.procs)
+            settle_s = max(settle_s, 3.0)
+        _end_processes(self.procs, settle_s=settle_s)
+        for p in self.procs:
+            if p.exitcode is not None:
+                p.close()  # releases the sentinel pipe; without it each run leaks fds
         for c in self.conns:
             c.close()
         self.store = None  # drops the TCPStore server: the port is free again
@@ -228,6 +251,7 @@ class RunResult:
     wall_s: float = 0.0
     first_record_s: float | None = None
     stopped: bool = False
+    port: int | None = None
 
     def __repr__(self):
         state = "stopped" if self.stopped else "ok"
@@ -310,14 +334,14 @@ class RunHandle:
         finally:
             failed = self.error is not None or stopped
             if self._owns or failed:
-                self._group.close()
+                self._group.close(settle_s=0.0 if failed else 2.0)
             if self._callback_error is not None and self.error is None:
                 self.error = self._callback_error
             self.result = RunResult(
                 returns=self.returns, metrics=self.metrics, prints=self.prints,
                 world_size=self.world_size, backend=self._group.backend,
                 device=self._group.device, wall_s=time.monotonic() - self._t0,
-                first_record_s=self._first_record, stopped=stopped)
+                first_record_s=self._first_record, stopped=stopped, port=self._group.port)
             self._done.set()
 
     def _loop(self):
@@ -327,7 +351,7 @@ class RunHandle:
         returned, errors = set(), {}
         started_at = {}
         last_seen, last_step = {}, {}
-        first_error_at = None
+        first_error_at = stall_seen = None
         while len(returned) < n:
             if self._stop.is_set():
                 return True
@@ -376,9 +400,12 @@ class RunHandle:
                     return False
             stalled = self._stalled(now, started_at, last_seen, returned)
             if stalled:
-                self.error = RankStalled(stalled, {r: last_step.get(r) for r in stalled},
-                                         self._stall_s if started_at else self._start_s)
-                return False
+                # peers silent in the same collective cross the line a moment later: let them
+                stall_seen = stall_seen or now
+                if now - stall_seen >= min(1.0, 0.25 * (self._stall_s or 1.0)):
+                    self.error = RankStalled(stalled, {r: last_step.get(r) for r in stalled},
+                                             self._stall_s if started_at else self._start_s)
+                    return False
         return False
 
     def _stalled(self, now, started_at, last_seen, returned):
