@@ -130,7 +130,11 @@ def apply_job_state(seed, flags):
         numpy.random.seed(seed % 2**32)
     except ImportError:
         pass
-    torch.use_deterministic_algorithms(flags["deterministic"], warn_only=flags["warn_only"])
+    wanted = (flags["deterministic"], flags["warn_only"])
+    if wanted != (torch.are_deterministic_algorithms_enabled(),
+                  torch.is_deterministic_algorithms_warn_only_enabled()):
+        # only when it changes: the call itself costs ~1 s the first time (it imports a lot)
+        torch.use_deterministic_algorithms(wanted[0], warn_only=wanted[1])
     torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
     torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
 

@@ -330,3 +330,16 @@ def test_bad_settings_are_refused_before_spawning(kwargs, exc, pattern):
 def test_non_callable_is_refused():
     with pytest.raises(TypeError, match=r"launch\(\) needs a function.*got int"):
         ddpkit.launch(42)
+
+
+def deterministic_flag(ctx):
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def test_determinism_flags_are_carried_into_ranks():
+    assert ddpkit.launch(deterministic_flag, world_size=1).returns == [False]
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert ddpkit.launch(deterministic_flag, world_size=1).returns == [True]
+    finally:
+        torch.use_deterministic_algorithms(False)

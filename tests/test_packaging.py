@@ -1,0 +1,50 @@
+"""The set-up stays one story: pyproject.toml, environment.yml, README and .ci/run agree."""
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pyproject_reqs():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = meta["dependencies"] + meta["optional-dependencies"]["dev"]
+    return {Requirement(r).name.lower(): Requirement(r) for r in reqs}
+
+
+def environment_reqs():
+    lines = (ROOT / "environment.yml").read_text().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.strip() == "- pip:")
+    out = {}
+    for line in lines[start + 1:]:
+        item = line.strip()
+        if not item.startswith("- ") or item.startswith("- -e"):
+            continue
+        req = Requirement(item[2:])
+        out[req.name.lower()] = req
+    return out
+
+
+def test_environment_yml_lists_the_same_packages_as_pyproject():
+    py, env = pyproject_reqs(), environment_reqs()
+    assert set(py) == set(env)
+    for name, req in env.items():
+        # each pin/range in environment.yml must satisfy pyproject's range
+        pinned = [s.version for s in req.specifier if s.operator in ("==", ">=")]
+        assert pinned, f"{name}: environment.yml needs a version"
+        assert py[name].specifier.contains(pinned[0], prereleases=True), (name, req, py[name])
+
+
+def test_environment_yml_pins_the_cpu_torch_the_setup_installs():
+    assert str(environment_reqs()["torch"].specifier) == "==2.13.0"
+    assert "torch==2.13.0" in (ROOT / ".ci" / "setup").read_text()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^```(?:bash|sh)\n(.*?)\n```", readme, re.S | re.M)
+    test_cmd = next(c for c in commands if "pytest" in c)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_cmd.strip() in ci.splitlines()
