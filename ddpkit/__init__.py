@@ -5,11 +5,13 @@ Light at import: rank processes import this package too, so the notebook-only pa
 """
 from .errors import RankError, RankStalled
 from .launcher import Pool, RunHandle, RunResult, launch
+from .config import TrainConfig
 from .rank import Context
+from .train import TrainResult, sweep, train
 
 __version__ = "0.1.0"
 
-_LAZY = {}
+_LAZY = {"estimate": ".estimate", "Estimate": ".estimate"}
 
 
 def __getattr__(name):
@@ -20,4 +22,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = ["Context", "Pool", "RankError", "RankStalled", "RunHandle", "RunResult", "launch"]
+__all__ = ["Context", "Pool", "RankError", "RankStalled", "RunHandle", "RunResult", "TrainConfig",
+           "TrainResult", "estimate", "launch", "sweep", "train"]

@@ -170,6 +170,9 @@ class _OutputForwarder:
     """
 
     _MARK = b"\x00ddpkit-sync\n"
+    # kineto prints these on every profiler window (the CPU peak probe opens one per step);
+    # they say nothing about the user's run, so they are not forwarded
+    _NOISE = (b"ActivityProfilerHandler.cpp", b"was allocated before the profiling started")
 
     def __init__(self, channel):
         self.channel = channel
@@ -191,7 +194,7 @@ class _OutputForwarder:
             for raw in pipe:
                 if raw == self._MARK:
                     self._synced.set()
-                else:
+                elif not any(n in raw for n in self._NOISE):
                     self.channel.send("print", raw.decode("utf-8", "replace").rstrip("\n"))
 
     def sync(self, timeout=2.0):

@@ -1,0 +1,167 @@
+"""`TrainConfig`: every switch of a training run, checked when it is built.
+
+A config is plain data (it pickles to the ranks, binds to widgets, prints as a torchrun command).
+Errors name the field and the fix, at construction, before any process starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+MODELS = ("mlp", "gpt")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("sgd", "adamw", "zero1")
+
+
+@dataclass
+class TrainConfig:
+    # --- model (identical blocks in ``model.blocks``)
+    model: str = "mlp"
+    """'mlp' (pre-norm residual MLP blocks) or 'gpt' (small causal transformer)."""
+    n_blocks: int = 4
+    """Number of identical blocks; checkpoint policies act on these."""
+    width: int = 64
+    """Hidden size D."""
+    mlp_ratio: int = 4
+    """Inner size of each block's MLP is mlp_ratio * width."""
+    seq_len: int = 32
+    """Tokens per sample (gpt only)."""
+    vocab: int = 64
+    """Vocabulary of the synthetic token data (gpt only)."""
+    n_heads: int = 4
+    """Attention heads (gpt only); must divide width."""
+    dropout: float = 0.0
+    """Dropout probability inside blocks."""
+    # --- data parallel
+    world_size: int = 2
+    """Ranks (processes). One per GPU with NCCL, else CPU processes with gloo."""
+    micro_batch: int = 4
+    """Samples per rank per forward/backward."""
+    accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step. Global batch = world_size*micro_batch*accum_steps."""
+    no_sync: bool = True
+    """Skip DDP's all-reduce on all but the last micro-batch (DDP.no_sync())."""
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    # --- activation checkpointing
+    checkpoint: object = None
+    """None (off); an int s: s segments as torch's checkpoint_sequential counts them (the first
+    s-1 are checkpointed, the last segment never is, so 1 checkpoints nothing); 'full' (every
+    block); or a list of booleans, one per block (selective)."""
+    use_reentrant: bool = False
+    """Passed to torch.utils.checkpoint explicitly (torch warns when it is not)."""
+    preserve_rng_state: bool = True
+    # --- numerics and optimizer
+    precision: str = "fp32"
+    """'fp32'; 'bf16' (autocast, CPU and CUDA); 'fp16' (autocast + GradScaler, CUDA only)."""
+    optimizer: str = "sgd"
+    """'sgd', 'adamw', or 'zero1' (AdamW sharded by torch's ZeroRedundancyOptimizer)."""
+    lr: float = 0.05
+    steps: int = 10
+    """Optimizer steps."""
+    seed: int = 0
+    # --- where and what to measure
+    backend: str | None = None
+    device: str | None = None
+    measure: bool = True
+    """Probes on: activation bytes, peak memory, all-reduce counts. Off for a bare timing run."""
+    stall_timeout_s: float = 120.0
+    extra: dict = field(default_factory=dict, repr=False)
+    """Free-form tags carried into results (not used by the engine)."""
+
+    def __post_init__(self):
+        def bad(name, why, fix):
+            raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}; {fix}")
+
+        if self.model not in MODELS:
+            bad("model", "unknown model", f"pass one of {MODELS}")
+        for name in ("n_blocks", "width", "mlp_ratio", "seq_len", "vocab", "n_heads", "steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                bad(name, "must be a positive int", f"pass {name}=1 or more")
+        for name, what in (("micro_batch", "samples per rank per micro-step"),
+                           ("accum_steps", "micro-batches per optimizer step"),
+                           ("world_size", "ranks")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                bad(name, f"needs at least 1 ({what})", f"pass {name}=1 or more")
+        if self.model == "gpt" and self.width % self.n_heads:
+            bad("n_heads", f"must divide width={self.width}", "pick n_heads that divides width")
+        if not 0.0 <= self.dropout < 1.0:
+            bad("dropout", "must be in [0, 1)", "pass e.g. dropout=0.1")
+        if self.precision not in PRECISIONS:
+            bad("precision", "unknown precision", f"pass one of {PRECISIONS}")
+        if self.optimizer not in OPTIMIZERS:
+            bad("optimizer", "unknown optimizer", f"pass one of {OPTIMIZERS}")
+        if not self.lr > 0:
+            bad("lr", "must be > 0", "pass e.g. lr=0.05")
+        self._check_checkpoint()
+        self._check_devices()
+
+    def _check_checkpoint(self):
+        c, n = self.checkpoint, self.n_blocks
+        if c is None or c == "full":
+            return
+        if isinstance(c, bool):
+            raise ValueError(f"TrainConfig.checkpoint={c!r}: ambiguous; pass 'full', None, "
+                             f"a segment count, or a list of {n} booleans")
+        if isinstance(c, int):
+            if not 1 <= c <= n:
+                raise ValueError(f"TrainConfig.checkpoint={c}: segments must be between 1 and "
+                                 f"n_blocks={n}; pass checkpoint<={n}, 'full', or None")
+            return
+        if isinstance(c, (list, tuple)):
+            if len(c) != n or not all(isinstance(b, bool) for b in c):
+                raise ValueError(f"TrainConfig.checkpoint: a selective list needs exactly "
+                                 f"n_blocks={n} booleans (one per block), got {list(c)!r}")
+            self.checkpoint = list(c)
+            return
+        raise ValueError(f"TrainConfig.checkpoint={c!r}: pass None, an int (segments), 'full', "
+                         f"or a list of {n} booleans")
+
+    def _check_devices(self):
+        import torch
+        from .launcher import resolve_devices
+
+        backend, device = resolve_devices(self.world_size, self.backend, self.device)
+        if self.precision == "fp16" and device != "cuda":
+            raise ValueError("TrainConfig.precision='fp16' needs CUDA (GradScaler on CPU is a "
+                             "no-op); on CPU pass precision='bf16' or 'fp32'")
+        if self.precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError("TrainConfig.precision='bf16': this GPU has no bf16; pass 'fp16'")
+
+    # --- derived
+    @property
+    def global_batch(self):
+        return self.world_size * self.micro_batch * self.accum_steps
+
+    def replace(self, **changes):
+        """A copy with some fields changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self):
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+
+    def to_cli(self):
+        """The ``python -m ddpkit train`` arguments that rebuild this config."""
+        base = TrainConfig()
+        args = []
+        for name, value in self.to_dict().items():
+            if name in ("world_size", "backend", "device") or value == getattr(base, name):
+                continue
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + name.replace("_", "-"))
+            elif isinstance(value, list):
+                args += [flag, ",".join("1" if b else "0" for b in value)]
+            else:
+                args += [flag, str(value)]
+        return args
+
+    def to_torchrun(self, nproc_per_node=None, nnodes=1):
+        """The command that runs this config on a cluster with torchrun."""
+        nproc = nproc_per_node or self.world_size
+        rdzv = "" if nnodes == 1 else " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500"
+        return (f"torchrun --nnodes {nnodes} --nproc-per-node {nproc}{rdzv} -m ddpkit train "
+                + " ".join(self.to_cli())).rstrip()

@@ -1,0 +1,157 @@
+"""Built-in models and their synthetic data.
+
+Both models are a stem, ``model.blocks`` (identical blocks, an ``nn.ModuleList``) and a head, so a
+checkpoint policy can act per block. ``forward(inputs, targets)`` returns the mean loss and runs
+the blocks through ``model.run_blocks``, which a policy replaces (policies.py): the state_dict
+keys never change with the policy.
+
+Data are synthetic and deterministic: sample i of the run is the same whatever the world size,
+so runs with different world sizes and accumulation can be compared weight for weight.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP: x + fc2(gelu(fc1(ln(x))))."""
+
+    def __init__(self, width, ratio, dropout=0.0):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, ratio * width)
+        self.fc2 = nn.Linear(ratio * width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+
+
+class _Blocks(nn.Module):
+    """Common shape: stem -> blocks -> head, with a replaceable block runner."""
+
+    def run_blocks(self, h):
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+    def forward(self, inputs, targets):
+        return self.loss(self.run_blocks(self.stem(inputs)), targets)
+
+
+class MLPModel(_Blocks):
+    """Regression of a fixed nonlinear target; input and hidden width D."""
+
+    def __init__(self, n_blocks=4, width=64, mlp_ratio=4, dropout=0.0):
+        super().__init__()
+        self.stem_fc = nn.Linear(width, width)  # so the first block's input requires grad
+        self.blocks = nn.ModuleList(MLPBlock(width, mlp_ratio, dropout) for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(width)
+        self.out = nn.Linear(width, 1)
+
+    def stem(self, x):
+        return self.stem_fc(x)
+
+    def loss(self, h, y):
+        return F.mse_loss(self.out(self.ln_f(h)).squeeze(-1), y)
+
+
+class Attention(nn.Module):
+    def __init__(self, width, n_heads, dropout=0.0):
+        super().__init__()
+        self.n_heads, self.dropout = n_heads, dropout
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, width, n_heads, ratio, dropout=0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = Attention(width, n_heads, dropout)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, ratio * width), nn.GELU(),
+                                 nn.Linear(ratio * width, width), nn.Dropout(dropout))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTModel(_Blocks):
+    """A small causal transformer over synthetic tokens (next-token prediction)."""
+
+    def __init__(self, n_blocks=4, width=64, mlp_ratio=4, seq_len=32, vocab=64, n_heads=4,
+                 dropout=0.0):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq_len, width)
+        self.blocks = nn.ModuleList(GPTBlock(width, n_heads, mlp_ratio, dropout)
+                                    for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def stem(self, idx):
+        return self.tok(idx) + self.pos.weight[: idx.shape[1]]
+
+    def loss(self, h, targets):
+        logits = self.head(self.ln_f(h))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_model(cfg):
+    """The model a config names, initialised from cfg.seed (the same on every rank)."""
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "mlp":
+        return MLPModel(cfg.n_blocks, cfg.width, cfg.mlp_ratio, cfg.dropout)
+    return GPTModel(cfg.n_blocks, cfg.width, cfg.mlp_ratio, cfg.seq_len, cfg.vocab, cfg.n_heads,
+                    cfg.dropout)
+
+
+class SyntheticData:
+    """All samples of a run, made once from the seed: ``steps * global_batch`` of them."""
+
+    def __init__(self, cfg, n_samples=None):
+        self.cfg = cfg
+        n = n_samples or cfg.steps * cfg.global_batch
+        g = torch.Generator().manual_seed(10_000 + cfg.seed)
+        if cfg.model == "mlp":
+            self.inputs = torch.randn(n, cfg.width, generator=g)
+            proj = torch.randn(cfg.width, generator=g) / math.sqrt(cfg.width)
+            self.targets = torch.sin(3 * self.inputs @ proj)
+        else:
+            # a fixed random "grammar": each token strongly predicts the next, so loss can fall
+            nxt = torch.randint(cfg.vocab, (cfg.vocab,), generator=g)
+            start = torch.randint(cfg.vocab, (n,), generator=g)
+            noise = torch.rand(n, cfg.seq_len + 1, generator=g) < 0.1
+            rand = torch.randint(cfg.vocab, (n, cfg.seq_len + 1), generator=g)
+            seq = torch.empty(n, cfg.seq_len + 1, dtype=torch.long)
+            seq[:, 0] = start
+            for t in range(1, cfg.seq_len + 1):
+                seq[:, t] = torch.where(noise[:, t], rand[:, t], nxt[seq[:, t - 1]])
+            self.inputs, self.targets = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def micro_batches(self, start, rank, world_size, micro_batch, accum_steps):
+        """Rank ``rank``'s micro-batches for the optimizer step whose global batch starts at
+        sample ``start`` (samples consumed so far).
+
+        The global batch is samples [start, start + G); rank r takes every world_size-th of them,
+        starting at r (DistributedSampler's interleaving), then splits its share into
+        accum_steps micro-batches. Past the end, the data wrap around.
+        """
+        G = world_size * micro_batch * accum_steps
+        idx = (torch.arange(start, start + G) % len(self.inputs))[rank::world_size]
+        for k in range(accum_steps):
+            part = idx[k * micro_batch:(k + 1) * micro_batch]
+            yield self.inputs[part], self.targets[part]

@@ -1,0 +1,167 @@
+"""Measurements, each a real reading (estimates live in estimate.py):
+
+* `ActivationProbe`: bytes saved for backward, via ``torch.autograd.graph.saved_tensors_hooks``
+  around the forward, counting each storage once and leaving parameters out (a saved
+  ``weight.t()`` is a view of a parameter, not an activation). A checkpointed segment's input is
+  held by the checkpoint for the recompute; non-reentrant checkpointing does not save it through
+  the hooks, so the policy reports it (``on_segment_input``) and it is counted once too.
+* `PeakProbe`: peak memory of one optimizer step. CUDA: ``torch.cuda.max_memory_allocated``
+  after ``reset_peak_memory_stats``. CPU: the bytes in tensors live when the step starts
+  (parameters, gradients, optimizer state) plus the highest rise during the step, summed from
+  the CPU profiler's raw allocator events in time order (RSS is not used: glibc makes it noisy).
+* `CommCounter`: a DDP communication hook that wraps the default all-reduce and counts calls and
+  bytes.
+* `count_flops`: FLOPs of a callable via ``FlopCounterMode``: noise-free, unlike a clock.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+
+def _storage(t):
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+class ActivationProbe:
+    """Use ``with probe.forward(model):`` around each forward. ``bytes``: the last forward's
+    saved bytes; ``max_bytes``: the largest since ``new_step()`` (one micro-batch's worth)."""
+
+    def __init__(self):
+        self.bytes = self.max_bytes = 0
+        self._seen = set()
+        self._params = set()
+
+    def new_step(self):
+        self.max_bytes = 0
+
+    def _count(self, t):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        key, nbytes = _storage(t)
+        if key in self._params or key in self._seen or nbytes == 0:
+            return
+        self._seen.add(key)
+        self.bytes += nbytes
+
+    @contextlib.contextmanager
+    def forward(self, model):
+        self.bytes = 0
+        self._seen.clear()
+        self._params = {_storage(p)[0] for p in model.parameters()}
+        policy = getattr(model, "checkpoint_policy", None)
+        if policy is not None:
+            policy.on_segment_input = self._count
+
+        def pack(t):
+            self._count(t)
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield self
+        finally:
+            self.max_bytes = max(self.max_bytes, self.bytes)
+            if policy is not None:
+                policy.on_segment_input = None
+
+
+def state_bytes(model, optimizer):
+    """Bytes of parameters, gradients and optimizer state, as torch holds them now."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                if p.grad is not None)
+    return params, grads, optimizer_state_bytes(optimizer)
+
+
+def optimizer_state_bytes(optimizer):
+    """This rank's optimizer-state bytes (ZeroRedundancyOptimizer: only the local shard)."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
+    total = 0
+    for state in inner.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                total += v.numel() * v.element_size()
+    return total
+
+
+class PeakProbe:
+    """``with probe.step(model, optimizer):`` around one optimizer step; read ``peak_bytes``."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.peak_bytes = 0
+
+    @contextlib.contextmanager
+    def step(self, model, optimizer):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            yield self
+            self.peak_bytes = torch.cuda.max_memory_allocated()
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        base = sum(state_bytes(model, optimizer))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield self
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+                  and e.device_type() == torch.autograd.DeviceType.CPU]
+        events.sort(key=lambda e: e.start_ns())
+        live = rise = 0
+        for e in events:
+            live += e.nbytes()
+            rise = max(rise, live)
+        self.peak_bytes = base + rise
+
+
+class CommCounter:
+    """Counts the all-reduces DDP issues. ``install(ddp_model)`` registers the hook."""
+
+    def __init__(self):
+        self.calls = 0
+        self.bytes = 0
+
+    def reset(self):
+        self.calls = self.bytes = 0
+
+    @staticmethod
+    def _hook(state, bucket):
+        buf = bucket.buffer()
+        state.calls += 1
+        state.bytes += buf.numel() * buf.element_size()
+        return default_hooks.allreduce_hook(None, bucket)  # None: the default process group
+
+    def install(self, ddp_model):
+        ddp_model.register_comm_hook(self, CommCounter._hook)
+        return self
+
+
+class StepTimer:
+    """Wall time of a block; on CUDA it synchronises first so queued kernels are counted."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def time(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield self
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - t0
+
+
+def count_flops(fn, *args, **kwargs):
+    """Total FLOPs that ``fn(*args, **kwargs)`` runs (matmuls and attention), by FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn(*args, **kwargs)
+    return counter.get_total_flops()

@@ -1,0 +1,61 @@
+"""One optimizer step with gradient accumulation. Knows nothing about ranks.
+
+The loop a slide can show::
+
+    for k, (x, y) in enumerate(micro_batches):
+        last = k == accum_steps - 1
+        with (model.no_sync() if no_sync and not last else nullcontext()):  # all-reduce once
+            loss = model(x, y) / accum_steps     # scale: gradients sum over micro-batches
+            loss.backward()
+    optimizer.step(); optimizer.zero_grad()
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_for(precision, device):
+    """The autocast context for a precision name ('fp32' runs without autocast)."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=PRECISION_DTYPES[precision])
+
+
+def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, precision="fp32",
+               device="cpu", scaler=None, activation_probe=None, inner=None, scale_loss=True):
+    """Run ``accum_steps`` micro-batches and one optimizer step. Returns the mean loss (float).
+
+    ``model`` may be DDP-wrapped (then ``no_sync`` skips the all-reduce of all but the last
+    micro-batch) or a plain module. ``inner`` is the unwrapped module, for the activation probe.
+    ``scale_loss=False`` reproduces the classic bug (gradients accum_steps times too large).
+    """
+    total = 0.0
+    batches = list(micro_batches)
+    if len(batches) != accum_steps:
+        raise ValueError(f"got {len(batches)} micro-batches for accum_steps={accum_steps}")
+    for k, (x, y) in enumerate(batches):
+        last = k == accum_steps - 1
+        sync = nullcontext() if (last or not no_sync or not hasattr(model, "no_sync")) \
+            else model.no_sync()
+        with sync:
+            probe = activation_probe.forward(inner or model) if activation_probe else nullcontext()
+            with probe, autocast_for(precision, device):
+                loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            total += loss.detach().float().item()
+            # scale the loss to account for gradient accumulation: grads add up over micro-batches
+            scaled = loss / accum_steps if scale_loss else loss
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return total / accum_steps
+
+
+def zero_grad(optimizer):
+    optimizer.zero_grad(set_to_none=True)

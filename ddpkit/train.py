@@ -1,0 +1,239 @@
+"""`train` and `sweep`: a real DDP training run per config, measured per rank and per step.
+
+`train_rank(ctx, cfg)` is the code each rank runs. It is the same function whether
+`ddpkit.launch` spawned the rank or torchrun started it (cli.py), and it only talks to the
+launcher through ``ctx``.
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .config import TrainConfig
+from .launcher import launch
+from .models import SyntheticData, build_model
+from .policies import CheckpointPolicy
+from .probes import ActivationProbe, CommCounter, PeakProbe, StepTimer, state_bytes
+from .step import train_step, zero_grad
+
+LIVE_FIELDS = ("checkpoint", "accum_steps")  # settings that may change mid-run (the lab)
+
+
+def make_optimizer(cfg, model):
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=cfg.lr)
+
+
+def wrap_ddp(cfg, model, ctx):
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+               static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,
+               gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+
+
+def train_rank(ctx, cfg, live=False):
+    """Train ``cfg`` on this rank; log one record per optimizer step; rank 0 returns weights.
+
+    live=True: before each step, settings sent from the kernel (``RunHandle.send_control``) are
+    read on rank 0 and broadcast, so a change lands on every rank at the same step.
+    """
+    model = build_model(cfg).to(ctx.device)
+    policy = CheckpointPolicy.from_config(cfg).apply(model)
+    ddp = wrap_ddp(cfg, model, ctx)
+    comm = CommCounter().install(ddp) if cfg.measure else None
+    optimizer = make_optimizer(cfg, ddp)
+    scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
+    data = SyntheticData(cfg)
+    acts = ActivationProbe() if cfg.measure else None
+    peak = PeakProbe(ctx.device) if cfg.measure else None
+    timer = StepTimer(ctx.device)
+    accum, setting, consumed = cfg.accum_steps, cfg.checkpoint, 0
+    for step in range(cfg.steps):
+        changed = ctx.sync_controls() if live else {}
+        if "checkpoint" in changed and changed["checkpoint"] != setting:
+            setting = changed["checkpoint"]
+            policy = CheckpointPolicy(setting, cfg.n_blocks, cfg.use_reentrant,
+                                      cfg.preserve_rng_state).apply(model)
+        if "accum_steps" in changed:
+            accum = int(changed["accum_steps"])
+        batches = data.micro_batches(consumed, ctx.rank, ctx.world_size, cfg.micro_batch, accum)
+        consumed += ctx.world_size * cfg.micro_batch * accum
+        if comm:
+            comm.reset()
+        if acts:
+            acts.new_step()
+        with timer.time(), (peak.step(ddp, optimizer) if peak else _null()):
+            loss = train_step(ddp, optimizer, batches, accum_steps=accum, no_sync=cfg.no_sync,
+                              precision=cfg.precision, device=ctx.device, scaler=scaler,
+                              activation_probe=acts, inner=model)
+        record = dict(step=step, loss=loss, step_time_s=timer.seconds,
+                      samples_per_s=ctx.world_size * cfg.micro_batch * accum / timer.seconds,
+                      accum_steps=accum, checkpoint=str(setting),
+                      changed=",".join(sorted(changed)) if changed else "")
+        if cfg.measure:
+            params, grads, opt = state_bytes(model, optimizer)
+            record.update(activation_bytes=acts.max_bytes, peak_bytes=peak.peak_bytes,
+                          allreduce_calls=comm.calls, allreduce_bytes=comm.bytes,
+                          param_bytes=params, grad_bytes=grads, optimizer_bytes=opt)
+        zero_grad(optimizer)
+        ctx.log(**record)
+    if ctx.is_main:
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return None
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@dataclass
+class TrainResult:
+    """``metrics``: one record per rank per optimizer step. ``state_dict``: rank 0's final
+    weights on CPU, keys without DDP's ``module.`` prefix."""
+    config: TrainConfig
+    metrics: list
+    state_dict: dict | None
+    run: object = field(repr=False, default=None)
+
+    def per_rank(self, key, rank=0):
+        return [m[key] for m in self.metrics if m["rank"] == rank]
+
+    def summary(self):
+        """Medians over steps (after the first, which pays one-off costs) of rank 0."""
+        m0 = [m for m in self.metrics if m["rank"] == 0]
+        steady = m0[1:] or m0
+        out = {"final_loss": statistics.fmean(m["loss"] for m in self.metrics
+                                              if m["step"] == m0[-1]["step"]),
+               "step_time_s": statistics.median(m["step_time_s"] for m in steady)}
+        for key in ("activation_bytes", "peak_bytes", "allreduce_calls", "allreduce_bytes",
+                    "optimizer_bytes"):
+            if key in m0[0]:
+                out[key] = statistics.median(m[key] for m in steady)
+        return out
+
+    def __repr__(self):
+        s = self.summary()
+        return (f"TrainResult(steps={self.config.steps}, world_size={self.config.world_size}, "
+                f"final_loss={s['final_loss']:.4f}, step_time_s={s['step_time_s']:.4f})")
+
+
+def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, **launch_kw):
+    """Train ``cfg`` on ``cfg.world_size`` ranks (spawned, or a warm ``pool``)."""
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"train() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
+                        f"build one with ddpkit.TrainConfig(...)")
+    kw = dict(on_metric=on_metric, block=block, stall_timeout_s=cfg.stall_timeout_s,
+              seed=cfg.seed, **launch_kw)
+    if pool is None:
+        kw.update(world_size=cfg.world_size, backend=cfg.backend, device=cfg.device)
+    elif pool.world_size != cfg.world_size:
+        raise ValueError(f"TrainConfig.world_size={cfg.world_size} but the pool has "
+                         f"{pool.world_size} ranks; pass a matching pool or pool=None")
+    run = launch(train_rank, cfg, live=live, pool=pool, **kw)
+    if not block:
+        return run
+    return TrainResult(cfg, run.metrics, run.returns[0], run)
+
+
+def recompute_flops_ratio(cfg):
+    """FLOPs of one micro-batch's forward+backward under cfg's policy over those without
+    checkpointing, counted on one process with FlopCounterMode (no clock noise)."""
+    from .probes import count_flops
+
+    data = SyntheticData(cfg, n_samples=cfg.micro_batch)
+    x, y = data.inputs, data.targets
+
+    def flops(setting):
+        model = build_model(cfg)
+        CheckpointPolicy(setting, cfg.n_blocks, cfg.use_reentrant).apply(model)
+        return count_flops(lambda: model(x, y).backward())
+
+    return flops(cfg.checkpoint) / flops(None)
+
+
+def sweep(cfg: TrainConfig, pool=None, **grid):
+    """One run per combination of the grid's values, e.g.
+    ``sweep(cfg, checkpoint=[None, 2, 4], accum_steps=[1, 2])``. Returns a `Table`."""
+    from .estimate import estimate
+    from .launcher import Pool
+
+    for name, values in grid.items():
+        if name not in cfg.to_dict():
+            raise ValueError(f"sweep: {name!r} is not a TrainConfig field")
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ValueError(f"sweep: {name}= needs a non-empty list of values, got {values!r}")
+    combos = [dict(zip(grid, vals)) for vals in itertools.product(*grid.values())]
+    configs = [cfg.replace(**c) for c in combos]  # all checked before anything runs
+    own = pool is None
+    pool = pool or Pool(cfg.world_size, cfg.backend, cfg.device)
+    rows = []
+    try:
+        for combo, c in zip(combos, configs):
+            res = train(c, pool=pool)
+            s = res.summary()
+            est = estimate(c)
+            rows.append({**{k: _label(v) for k, v in combo.items()},
+                         "final_loss": round(s["final_loss"], 5),
+                         "step_time_ms": round(1000 * s["step_time_s"], 2),
+                         "activation_bytes": int(s.get("activation_bytes", 0)),
+                         "predicted_activation_bytes": est.activations,
+                         "peak_bytes": int(s.get("peak_bytes", 0)),
+                         "allreduce_calls": int(s.get("allreduce_calls", 0)),
+                         "recompute_flops_ratio": round(recompute_flops_ratio(c), 4),
+                         "_result": res})
+    finally:
+        if own:
+            pool.close()
+    return Table(rows)
+
+
+def _label(v):
+    return "none" if v is None else (str(v) if not isinstance(v, (int, float)) else v)
+
+
+class Table:
+    """Rows of dicts; prints as a text table, shows as HTML in a notebook."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    @property
+    def columns(self):
+        return [k for k in self.rows[0] if not k.startswith("_")] if self.rows else []
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def to_markdown(self):
+        cols = self.columns
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in self.rows]
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return self.to_markdown()
+
+    def _repr_html_(self):
+        cols = self.columns
+        head = "".join(f"<th>{c}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td>{r[c]}</td>" for c in cols) + "</tr>"
+                       for r in self.rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
