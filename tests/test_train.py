@@ -1,0 +1,155 @@
+"""The training engine on real gloo ranks: issue #3's 'What must hold'."""
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.estimate import activation_bytes, estimate, param_count
+from ddpkit.models import build_model
+
+TINY = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accum_steps=2,
+            optimizer="sgd", precision="fp32", steps=3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ddpkit.Pool(world_size=2) as p:
+        yield p
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One rank, the whole global batch at once, no checkpointing."""
+    cfg = ddpkit.TrainConfig(**{**TINY, "world_size": 1, "micro_batch": 16, "accum_steps": 1})
+    return ddpkit.train(cfg).state_dict
+
+
+# --- 1. equivalence
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("checkpoint", [None, 2, "full", [True, False, True, False]])
+def test_ddp_accumulation_and_checkpointing_match_one_big_batch(pool, reference, checkpoint, reentrant):
+    cfg = ddpkit.TrainConfig(**TINY, checkpoint=checkpoint, use_reentrant=reentrant)
+    res = ddpkit.train(cfg, pool=pool)
+    assert max_diff(res.state_dict, reference) <= 1e-5
+    assert max_diff(res.state_dict, build_model(cfg).state_dict()) > 1e-3  # it did train
+
+
+def test_state_dict_is_rank_zero_weights_without_module_prefix(pool):
+    res = ddpkit.train(ddpkit.TrainConfig(**TINY), pool=pool)
+    assert set(res.state_dict) == set(build_model(res.config).state_dict())
+    assert not any(k.startswith("module.") for k in res.state_dict)
+    assert all(v.device.type == "cpu" for v in res.state_dict.values())
+
+
+def test_gpt_trains_and_loss_falls(pool):
+    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=2, width=32, seq_len=16, world_size=2,
+                             micro_batch=8, steps=12, optimizer="adamw", lr=3e-3, checkpoint=2)
+    losses = ddpkit.train(cfg, pool=pool).per_rank("loss")
+    assert losses[-1] < losses[0] * 0.9
+
+
+# --- 2. no_sync
+def test_no_sync_cuts_allreduces_by_the_accumulation_factor(pool):
+    cfg = ddpkit.TrainConfig(**{**TINY, "accum_steps": 4})
+    synced = ddpkit.train(cfg.replace(no_sync=False), pool=pool)
+    skipped = ddpkit.train(cfg.replace(no_sync=True), pool=pool)
+    calls = lambda r: [m["allreduce_calls"] for m in r.metrics]
+    buckets = calls(skipped)[0]
+    assert buckets >= 1 and set(calls(skipped)) == {buckets}
+    assert set(calls(synced)) == {4 * buckets}
+    assert skipped.metrics[0]["allreduce_bytes"] * 4 == synced.metrics[0]["allreduce_bytes"]
+    assert skipped.metrics[0]["allreduce_bytes"] == param_count(cfg) * 4  # every gradient, once
+    assert max_diff(synced.state_dict, skipped.state_dict) <= 1e-6
+
+
+# --- 3. measured against estimated
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_activation_bytes_fall_with_segments_as_estimated(pool, model):
+    base = ddpkit.TrainConfig(model=model, n_blocks=4, width=32, seq_len=16, world_size=2,
+                              micro_batch=2, steps=1)
+    measured = {}
+    for setting in (None, 2, 4, "full"):
+        res = ddpkit.train(base.replace(checkpoint=setting), pool=pool)
+        acts = {m["activation_bytes"] for m in res.metrics}
+        assert len(acts) == 1  # the same on every rank and step
+        measured[setting] = acts.pop()
+        predicted = activation_bytes(base, setting)
+        assert abs(measured[setting] - predicted) <= 0.10 * predicted, (setting, measured, predicted)
+    assert measured[None] > measured[2] > measured[4] > measured["full"]
+    # the structure: s=2 keeps 1 boundary + 2 blocks; None keeps 4 blocks -> the step is 2 blocks
+    est = estimate(base)
+    assert measured[None] - measured[2] == pytest.approx(2 * est.activation_per_block - est.boundary, rel=0.1)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "zero1"])
+def test_params_grads_optimizer_bytes_match_the_estimate_exactly(pool, optimizer):
+    cfg = ddpkit.TrainConfig(**{**TINY, "optimizer": optimizer, "lr": 1e-3, "steps": 1})
+    res = ddpkit.train(cfg, pool=pool)
+    est = estimate(cfg)
+    for m in res.metrics:
+        assert m["param_bytes"] == est.params and m["grad_bytes"] == est.grads
+        if optimizer != "zero1":
+            assert m["optimizer_bytes"] == est.optimizer
+    if optimizer == "zero1":
+        shards = [m["optimizer_bytes"] for m in res.metrics]
+        full = 2 * est.params  # AdamW: exp_avg + exp_avg_sq
+        assert sum(shards) == full  # every parameter's state lives on exactly one rank
+        assert all(abs(s - full / 2) <= 0.25 * full / 2 for s in shards)  # about 1/world_size each
+
+
+def test_peak_bytes_cover_model_states_and_activations(pool):
+    res = ddpkit.train(ddpkit.TrainConfig(**{**TINY, "steps": 2}), pool=pool)
+    est = estimate(res.config)
+    for m in res.metrics:
+        assert m["peak_bytes"] >= est.params + m["activation_bytes"]
+        assert m["peak_bytes"] < 20 * (est.total + 2**20)
+
+
+def test_bf16_autocast_runs_on_cpu(pool):
+    res = ddpkit.train(ddpkit.TrainConfig(**{**TINY, "precision": "bf16"}), pool=pool)
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in res.metrics)
+
+
+def test_sweep_gives_one_row_per_combination(pool):
+    table = ddpkit.sweep(ddpkit.TrainConfig(**{**TINY, "steps": 2}), pool=pool,
+                         checkpoint=[None, 2], accum_steps=[1, 2])
+    assert [(r["checkpoint"], r["accum_steps"]) for r in table] == [
+        ("none", 1), ("none", 2), (2, 1), (2, 2)]
+    for r in table:
+        assert r["activation_bytes"] == r["predicted_activation_bytes"]
+    assert table[0]["recompute_flops_ratio"] == 1.0 and table[2]["recompute_flops_ratio"] > 1.0
+    assert "| checkpoint | accum_steps |" in table.to_markdown()
+
+
+# --- 4. bad config, at construction
+@pytest.mark.parametrize("changes, pattern", [
+    (dict(checkpoint=5), r"TrainConfig.checkpoint=5: segments must be between 1 and n_blocks=4; pass checkpoint<=4"),
+    (dict(checkpoint=0), r"checkpoint=0: segments must be between 1"),
+    (dict(accum_steps=0), r"TrainConfig.accum_steps=0: needs at least 1 .*pass accum_steps=1 or more"),
+    (dict(micro_batch=0), r"TrainConfig.micro_batch=0: needs at least 1 .*pass micro_batch=1 or more"),
+    (dict(model="resnet"), r"TrainConfig.model='resnet': unknown model; pass one of \('mlp', 'gpt'\)"),
+    (dict(precision="fp8"), r"TrainConfig.precision='fp8': unknown precision; pass one of"),
+    (dict(optimizer="lion"), r"TrainConfig.optimizer='lion': unknown optimizer"),
+    (dict(checkpoint=[True, False]), r"selective list needs exactly n_blocks=4 booleans"),
+    (dict(checkpoint=True), r"checkpoint=True: ambiguous"),
+    (dict(model="gpt", width=30, n_heads=4), r"TrainConfig.n_heads=4: must divide width=30"),
+    (dict(world_size=0), r"TrainConfig.world_size=0: needs at least 1"),
+])
+def test_bad_config_names_the_field_and_the_fix(changes, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ddpkit.TrainConfig(**{**TINY, **changes})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal of fp16")
+def test_fp16_on_cpu_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"precision='fp16' needs CUDA.*pass precision='bf16' or 'fp32'"):
+        ddpkit.TrainConfig(**{**TINY, "precision": "fp16"})
+
+
+def test_train_refuses_a_pool_of_another_size(pool):
+    with pytest.raises(ValueError, match=r"world_size=1 but the pool has 2 ranks"):
+        ddpkit.train(ddpkit.TrainConfig(**{**TINY, "world_size": 1}), pool=pool)
