@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 MODELS = ("mlp", "gpt")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw", "zero1")
+PROBES = ("activations", "peak", "comm")
 
 
 @dataclass
@@ -64,8 +65,13 @@ class TrainConfig:
     # --- where and what to measure
     backend: str | None = None
     device: str | None = None
-    measure: bool = True
-    """Probes on: activation bytes, peak memory, all-reduce counts. Off for a bare timing run."""
+    measure: object = True
+    """True: every probe (activation bytes, peak memory, all-reduce counts); False: none (a bare
+    timing run); or a list naming some of 'activations', 'peak', 'comm'."""
+    peak_every: int = 10
+    """Peak memory is probed at step 1, every peak_every steps after it, and at the step after a
+    mid-run change (every step on CUDA, where it is free). On CPU the probe opens a profiler
+    window, which roughly doubles that one step's time; 1 probes every step."""
     stall_timeout_s: float = 120.0
     extra: dict = field(default_factory=dict, repr=False)
     """Free-form tags carried into results (not used by the engine)."""
@@ -76,7 +82,8 @@ class TrainConfig:
 
         if self.model not in MODELS:
             bad("model", "unknown model", f"pass one of {MODELS}")
-        for name in ("n_blocks", "width", "mlp_ratio", "seq_len", "vocab", "n_heads", "steps"):
+        for name in ("n_blocks", "width", "mlp_ratio", "seq_len", "vocab", "n_heads", "steps",
+                     "peak_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 bad(name, "must be a positive int", f"pass {name}=1 or more")
@@ -96,6 +103,11 @@ class TrainConfig:
             bad("optimizer", "unknown optimizer", f"pass one of {OPTIMIZERS}")
         if not self.lr > 0:
             bad("lr", "must be > 0", "pass e.g. lr=0.05")
+        if not isinstance(self.measure, bool):
+            if not isinstance(self.measure, (list, tuple)) or not set(self.measure) <= set(PROBES):
+                bad("measure", "must be True, False or a list of probe names",
+                    f"pass e.g. measure=['activations'] (probes: {PROBES})")
+            self.measure = list(self.measure)
         self._check_checkpoint()
         self._check_devices()
 
@@ -132,6 +144,11 @@ class TrainConfig:
             raise ValueError("TrainConfig.precision='bf16': this GPU has no bf16; pass 'fp16'")
 
     # --- derived
+    @property
+    def probes(self):
+        """The probes this config turns on."""
+        return set(PROBES) if self.measure is True else set(self.measure or ())
+
     @property
     def global_batch(self):
         return self.world_size * self.micro_batch * self.accum_steps

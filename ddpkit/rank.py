@@ -74,8 +74,8 @@ class Context:
         self.device, self.backend, self.seed = device, backend, seed
         self.is_main = rank == 0
         self._channel = channel
-        self._controls = {}
         self.last_step = None
+        self.records = []  # kept here only when there is no kernel to send them to (torchrun)
 
     @classmethod
     def from_env(cls, seed=0):
@@ -94,7 +94,9 @@ class Context:
             self.last_step = record["step"]
         if self._channel is not None:
             self._channel.send("metric", record)
-        elif self.is_main:  # under torchrun there is no kernel: print rank 0's records
+            return
+        self.records.append({"rank": self.rank, **record})
+        if self.is_main:  # under torchrun there is no kernel: print rank 0's records
             print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in record.items()), flush=True)
 

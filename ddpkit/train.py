@@ -48,12 +48,13 @@ def train_rank(ctx, cfg, live=False):
     model = build_model(cfg).to(ctx.device)
     policy = CheckpointPolicy.from_config(cfg).apply(model)
     ddp = wrap_ddp(cfg, model, ctx)
-    comm = CommCounter().install(ddp) if cfg.measure else None
+    probes = cfg.probes
+    comm = CommCounter().install(ddp) if "comm" in probes else None
     optimizer = make_optimizer(cfg, ddp)
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
     data = SyntheticData(cfg)
-    acts = ActivationProbe() if cfg.measure else None
-    peak = PeakProbe(ctx.device) if cfg.measure else None
+    acts = ActivationProbe() if "activations" in probes else None
+    peak = PeakProbe(ctx.device) if "peak" in probes else None
     timer = StepTimer(ctx.device)
     accum, setting, consumed = cfg.accum_steps, cfg.checkpoint, 0
     for step in range(cfg.steps):
@@ -70,7 +71,9 @@ def train_rank(ctx, cfg, live=False):
             comm.reset()
         if acts:
             acts.new_step()
-        with timer.time(), (peak.step(ddp, optimizer) if peak else _null()):
+        probe_peak = peak is not None and (ctx.device.type == "cuda" or bool(changed) or
+                                           (step - 1) % cfg.peak_every == 0 or cfg.steps == 1)
+        with timer.time(), (peak.step(ddp, optimizer) if probe_peak else _null()):
             loss = train_step(ddp, optimizer, batches, accum_steps=accum, no_sync=cfg.no_sync,
                               precision=cfg.precision, device=ctx.device, scaler=scaler,
                               activation_probe=acts, inner=model)
@@ -78,11 +81,14 @@ def train_rank(ctx, cfg, live=False):
                       samples_per_s=ctx.world_size * cfg.micro_batch * accum / timer.seconds,
                       accum_steps=accum, checkpoint=str(setting),
                       changed=",".join(sorted(changed)) if changed else "")
-        if cfg.measure:
-            params, grads, opt = state_bytes(model, optimizer)
-            record.update(activation_bytes=acts.max_bytes, peak_bytes=peak.peak_bytes,
-                          allreduce_calls=comm.calls, allreduce_bytes=comm.bytes,
-                          param_bytes=params, grad_bytes=grads, optimizer_bytes=opt)
+        params, grads, opt = state_bytes(model, optimizer)
+        record.update(param_bytes=params, grad_bytes=grads, optimizer_bytes=opt)
+        if acts:
+            record["activation_bytes"] = acts.max_bytes
+        if probe_peak:
+            record["peak_bytes"] = peak.peak_bytes
+        if comm:
+            record.update(allreduce_calls=comm.calls, allreduce_bytes=comm.bytes)
         zero_grad(optimizer)
         ctx.log(**record)
     if ctx.is_main:
@@ -114,13 +120,15 @@ class TrainResult:
         """Medians over steps (after the first, which pays one-off costs) of rank 0."""
         m0 = [m for m in self.metrics if m["rank"] == 0]
         steady = m0[1:] or m0
+        peaks = [m["peak_bytes"] for m in m0 if "peak_bytes" in m]
         out = {"final_loss": statistics.fmean(m["loss"] for m in self.metrics
                                               if m["step"] == m0[-1]["step"]),
                "step_time_s": statistics.median(m["step_time_s"] for m in steady)}
-        for key in ("activation_bytes", "peak_bytes", "allreduce_calls", "allreduce_bytes",
-                    "optimizer_bytes"):
+        for key in ("activation_bytes", "allreduce_calls", "allreduce_bytes", "optimizer_bytes"):
             if key in m0[0]:
                 out[key] = statistics.median(m[key] for m in steady)
+        if peaks:
+            out["peak_bytes"] = max(peaks)
         return out
 
     def __repr__(self):

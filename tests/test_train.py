@@ -102,9 +102,12 @@ def test_params_grads_optimizer_bytes_match_the_estimate_exactly(pool, optimizer
 
 
 def test_peak_bytes_cover_model_states_and_activations(pool):
-    res = ddpkit.train(ddpkit.TrainConfig(**{**TINY, "steps": 2}), pool=pool)
+    res = ddpkit.train(ddpkit.TrainConfig(**{**TINY, "steps": 4, "peak_every": 2}), pool=pool)
     est = estimate(res.config)
+    assert [m["step"] for m in res.metrics if "peak_bytes" in m and m["rank"] == 0] == [1, 3]
     for m in res.metrics:
+        if "peak_bytes" not in m:
+            continue
         assert m["peak_bytes"] >= est.params + m["activation_bytes"]
         assert m["peak_bytes"] < 20 * (est.total + 2**20)
 

@@ -1,0 +1,119 @@
+"""Command line: ``python -m ddpkit train ...`` (or ``ddpkit train``) and ``ddpkit demo``.
+
+``train`` takes one flag per TrainConfig field. Run plainly, it spawns ``--world-size`` ranks
+with ddpkit's launcher. Run under torchrun (``torchrun --nproc-per-node N -m ddpkit train ...``)
+it sees torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), joins that
+process group instead of spawning, and runs the very same `train_rank`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from .config import TrainConfig
+
+
+def _checkpoint_arg(text):
+    if text.lower() in ("none", "off"):
+        return None
+    if text == "full":
+        return "full"
+    if "," in text or set(text) <= {"0", "1"} and len(text) > 1:
+        return [t.strip() in ("1", "true", "True") for t in text.split(",")]
+    return int(text)
+
+
+def _config_parser(parser):
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if f.name == "checkpoint":
+            parser.add_argument(flag, type=_checkpoint_arg, default=None,
+                                help="none | S (segments) | full | 1,0,1,0 (one per block)")
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif f.name in ("backend", "device"):
+            parser.add_argument(flag, default=None)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+    return parser
+
+
+def _config_from(args):
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def under_torchrun():
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def _train_under_torchrun(args):
+    import torch.distributed as dist
+
+    from .rank import Context
+    from .train import train_rank
+
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = _config_from(args)
+    if cfg.world_size != world:  # torchrun decides the world size
+        cfg = cfg.replace(world_size=world)
+    ctx = Context.from_env(seed=cfg.seed)
+    if ctx.device.type == "cuda":
+        import torch
+        torch.cuda.set_device(ctx.device)
+    dist.init_process_group(ctx.backend)
+    try:
+        train_rank(ctx, cfg)
+    finally:
+        dist.destroy_process_group()
+    if args.json and ctx.is_main:
+        with open(args.json, "w") as fh:
+            json.dump(ctx.records, fh)
+
+
+def _train(args):
+    if under_torchrun():
+        return _train_under_torchrun(args)
+    from .train import train
+
+    res = train(_config_from(args))
+    for m in res.metrics:
+        if m["rank"] == 0:
+            print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in m.items()))
+    print(res)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res.metrics, fh)
+
+
+def _demo(args):
+    from .report import demo
+
+    demo(out=args.out, steps=args.steps)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="ddpkit", description="DDP + checkpointing explorer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = _config_parser(sub.add_parser("train", help="train one config (spawns ranks, or joins torchrun's)"))
+    t.add_argument("--json", default=None, help="write the records (rank 0's under torchrun) as JSON to this file")
+    d = sub.add_parser("demo", help="small sweep on CPU + gloo, prints a table, writes an HTML report")
+    d.add_argument("--out", default="ddpkit-report.html")
+    d.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args(argv)
+    try:
+        return {"train": _train, "demo": _demo}[args.command](args)
+    except ValueError as exc:  # config errors already name the field and the fix
+        parser.exit(2, f"ddpkit: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
