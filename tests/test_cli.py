@@ -1,0 +1,72 @@
+"""The command line: `python -m ddpkit train` spawns ranks, and the same command under torchrun
+joins torchrun's ranks instead, with the same losses; `ddpkit demo` writes its report."""
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import ddpkit
+from ddpkit.cli import main
+
+ARGS = ["--model", "mlp", "--n-blocks", "4", "--width", "32", "--micro-batch", "4",
+        "--accum-steps", "2", "--checkpoint", "2", "--steps", "3"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_train_mirrors_trainconfig(tmp_path):
+    out = tmp_path / "m.json"
+    main(["train", *ARGS, "--json", str(out)])
+    records = json.loads(out.read_text())
+    cfg = ddpkit.TrainConfig(model="mlp", n_blocks=4, width=32, micro_batch=4, accum_steps=2,
+                             checkpoint=2, steps=3)
+    ref = ddpkit.train(cfg)
+    loss = lambda recs: [round(m["loss"], 6) for m in recs if m["rank"] == 0]
+    assert loss(records) == loss(ref.metrics)
+
+
+def test_same_command_under_torchrun_gives_the_same_losses(tmp_path):
+    out = tmp_path / "tr.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "ddpkit", "train", *ARGS, "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    torchrun = json.loads(out.read_text())
+    cfg = ddpkit.TrainConfig(model="mlp", n_blocks=4, width=32, micro_batch=4, accum_steps=2,
+                             checkpoint=2, steps=3)
+    ref = ddpkit.train(cfg)
+    loss = lambda recs: [m["loss"] for m in recs if m["rank"] == 0]
+    assert loss(torchrun) == pytest.approx(loss(ref.metrics), abs=1e-6)
+    assert "step=2" in proc.stdout  # rank 0 prints its records
+
+
+def test_cli_config_error_names_the_field(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--checkpoint", "9", "--n-blocks", "4"])
+    assert info.value.code == 2
+    assert "TrainConfig.checkpoint=9: segments must be between 1 and n_blocks=4" in capsys.readouterr().err
+
+
+def test_to_torchrun_prints_a_cluster_command():
+    cfg = ddpkit.TrainConfig(checkpoint=2, accum_steps=4, use_reentrant=True)
+    cmd = cfg.to_torchrun(nproc_per_node=8, nnodes=4)
+    assert cmd.startswith("torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d")
+    assert "-m ddpkit train" in cmd and "--checkpoint 2" in cmd and "--accum-steps 4" in cmd
+    assert "--use-reentrant" in cmd
+
+
+def test_demo_writes_a_self_contained_report(tmp_path, capsys):
+    from ddpkit.report import demo
+    out = tmp_path / "report.html"
+    table = demo(out=str(out), steps=2, segments=[None, 2], n_blocks=4, width=32, seq_len=16)
+    text = out.read_text()
+    assert len(table) == 2 and "Memory per rank vs checkpoint segments" in text
+    assert "plotly" in text and "<script" in text and "cdn.plot.ly" not in text.split("<script")[1][:200]
+    assert "| checkpoint |" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".tmp-*"))  # atomic write left no temp file
