@@ -73,8 +73,11 @@ def train_rank(ctx, cfg, live=False):
             acts.new_step()
         probe_peak = peak is not None and (ctx.device.type == "cuda" or bool(changed) or
                                            (step - 1) % cfg.peak_every == 0 or cfg.steps == 1)
+        # static_graph + no_sync() on the very first iteration trips an internal assert in
+        # DDP's reducer (a known torch bug): the first step syncs every micro-batch instead
+        skip_sync = cfg.no_sync and not (cfg.static_graph and step == 0)
         with timer.time(), (peak.step(ddp, optimizer) if probe_peak else _null()):
-            loss = train_step(ddp, optimizer, batches, accum_steps=accum, no_sync=cfg.no_sync,
+            loss = train_step(ddp, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
                               precision=cfg.precision, device=ctx.device, scaler=scaler,
                               activation_probe=acts, inner=model)
         record = dict(step=step, loss=loss, step_time_s=timer.seconds,

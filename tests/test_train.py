@@ -38,6 +38,13 @@ def test_ddp_accumulation_and_checkpointing_match_one_big_batch(pool, reference,
     assert max_diff(res.state_dict, build_model(cfg).state_dict()) > 1e-3  # it did train
 
 
+@pytest.mark.parametrize("switches", [dict(static_graph=True), dict(find_unused_parameters=True),
+                                      dict(gradient_as_bucket_view=True)])
+def test_ddp_switches_pass_through_and_keep_the_maths(pool, reference, switches):
+    res = ddpkit.train(ddpkit.TrainConfig(**TINY, checkpoint=2, **switches), pool=pool)
+    assert max_diff(res.state_dict, reference) <= 1e-5
+
+
 def test_state_dict_is_rank_zero_weights_without_module_prefix(pool):
     res = ddpkit.train(ddpkit.TrainConfig(**TINY), pool=pool)
     assert set(res.state_dict) == set(build_model(res.config).state_dict())
