@@ -6,12 +6,13 @@ Light at import: rank processes import this package too, so the notebook-only pa
 from .errors import RankError, RankStalled
 from .launcher import Pool, RunHandle, RunResult, launch
 from .config import TrainConfig
+from .estimate import Estimate, estimate  # binds the function over the submodule's name
 from .rank import Context
 from .train import TrainResult, sweep, train
 
 __version__ = "0.1.0"
 
-_LAZY = {"estimate": ".estimate", "Estimate": ".estimate"}
+_LAZY = {"Lab": ".widgets", "LivePlots": ".plots"}
 
 
 def __getattr__(name):

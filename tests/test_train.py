@@ -163,3 +163,11 @@ def test_fp16_on_cpu_is_refused_with_the_fix():
 def test_train_refuses_a_pool_of_another_size(pool):
     with pytest.raises(ValueError, match=r"world_size=1 but the pool has 2 ranks"):
         ddpkit.train(ddpkit.TrainConfig(**{**TINY, "world_size": 1}), pool=pool)
+
+
+def test_estimate_stays_the_function_after_its_module_is_imported():
+    import importlib
+    importlib.import_module("ddpkit.estimate")
+    cfg = ddpkit.TrainConfig(**TINY)
+    assert ddpkit.estimate(cfg) == ddpkit.estimate(cfg)
+    assert ddpkit.train.__module__ == "ddpkit.train" and callable(ddpkit.train)
