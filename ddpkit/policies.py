@@ -36,6 +36,13 @@ def segments_for(setting, n_blocks):
     raise ValueError(f"checkpoint={setting!r} does not fit n_blocks={n_blocks}")
 
 
+def parse_setting(text):
+    """Back from ``str(setting)`` as records carry it: 'None', 'full', '4', '[True, False]'."""
+    import ast
+
+    return text if text == "full" else ast.literal_eval(text)
+
+
 def checkpointed_blocks(setting, n_blocks):
     """One boolean per block: is it inside a checkpointed segment?"""
     mask = [False] * n_blocks

@@ -46,7 +46,7 @@ def train_rank(ctx, cfg, live=False):
     read on rank 0 and broadcast, so a change lands on every rank at the same step.
     """
     model = build_model(cfg).to(ctx.device)
-    policy = CheckpointPolicy.from_config(cfg).apply(model)
+    CheckpointPolicy.from_config(cfg).apply(model)
     ddp = wrap_ddp(cfg, model, ctx)
     probes = cfg.probes
     comm = CommCounter().install(ddp) if "comm" in probes else None
@@ -58,13 +58,16 @@ def train_rank(ctx, cfg, live=False):
     timer = StepTimer(ctx.device)
     accum, setting, consumed = cfg.accum_steps, cfg.checkpoint, 0
     for step in range(cfg.steps):
-        changed = ctx.sync_controls() if live else {}
-        if "checkpoint" in changed and changed["checkpoint"] != setting:
-            setting = changed["checkpoint"]
-            policy = CheckpointPolicy(setting, cfg.n_blocks, cfg.use_reentrant,
-                                      cfg.preserve_rng_state).apply(model)
-        if "accum_steps" in changed:
-            accum = int(changed["accum_steps"])
+        sent = ctx.sync_controls() if live else {}
+        changed = []  # what actually changes at this step, on every rank alike
+        if "checkpoint" in sent and sent["checkpoint"] != setting:
+            setting = sent["checkpoint"]
+            CheckpointPolicy(setting, cfg.n_blocks, cfg.use_reentrant,
+                             cfg.preserve_rng_state).apply(model)
+            changed.append("checkpoint")
+        if "accum_steps" in sent and int(sent["accum_steps"]) != accum:
+            accum = int(sent["accum_steps"])
+            changed.append("accum_steps")
         batches = data.micro_batches(consumed, ctx.rank, ctx.world_size, cfg.micro_batch, accum)
         consumed += ctx.world_size * cfg.micro_batch * accum
         if comm:
@@ -83,7 +86,7 @@ def train_rank(ctx, cfg, live=False):
         record = dict(step=step, loss=loss, step_time_s=timer.seconds,
                       samples_per_s=ctx.world_size * cfg.micro_batch * accum / timer.seconds,
                       accum_steps=accum, checkpoint=str(setting),
-                      changed=",".join(sorted(changed)) if changed else "")
+                      changed=",".join(changed))
         params, grads, opt = state_bytes(model, optimizer)
         record.update(param_bytes=params, grad_bytes=grads, optimizer_bytes=opt)
         if acts:

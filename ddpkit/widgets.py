@@ -1,0 +1,326 @@
+"""`Lab`: ipywidgets that edit a `TrainConfig`, run it on a warm pool, and follow it live.
+
+The widgets only edit a config; `Lab.run` hands that config to `ddpkit.train` (non-blocking,
+``live=True``) and returns at once, so the kernel stays free and controls keep working while the
+ranks train. A change of checkpoint segments (or per-block toggles) or of accumulation steps
+during a run is sent to rank 0, which broadcasts it: it lands on every rank at the same optimizer
+step, and the plots mark that step. Controls that cannot change mid-run are disabled meanwhile.
+
+A refresher thread per run moves records into the figures at <= 10 updates/s, updates the
+progress bar, and at the end writes a row to ``history`` and shows any error as a red banner
+with the culprit's traceback (the lab is ready for the next run at once).
+"""
+from __future__ import annotations
+
+import html
+import statistics
+import threading
+import time
+
+import ipywidgets as W
+
+from .config import TrainConfig
+from .errors import RankError, RankStalled
+from .estimate import activation_bytes, estimate
+from .plots import MIB, LivePlots
+from .policies import checkpointed_blocks, parse_setting
+
+FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"
+
+
+class Lab:
+    """``lab = ddpkit.Lab(cfg)`` shows the dashboard; ``lab.run()``, ``lab.wait()``,
+    ``lab.stop()`` do what the buttons do; ``lab.history`` has one row per finished run."""
+
+    def __init__(self, cfg=None, display=True, max_hz=10.0):
+        self.cfg = cfg or TrainConfig()
+        self.history, self.metrics = [], []
+        self._pool = self._handle = self._refresher = None
+        self._syncing = False
+        self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz)
+        self._build()
+        self._read_config(self.cfg)
+        self._update_estimate()
+        if display:
+            self.show()
+
+    # ------------------------------------------------------------------ widgets
+    def _build(self):
+        c, n = self.cfg, self.cfg.n_blocks
+        style = {"description_width": "120px"}
+        self.controls = {
+            "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style),
+            "segments": W.IntSlider(0, 0, n, description="ckpt segments", style=style,
+                                    tooltip="0 = off; s = checkpoint_sequential segments "
+                                            "(the last segment is never checkpointed)"),
+            "use_reentrant": W.Checkbox(c.use_reentrant, description="use_reentrant"),
+            "accum_steps": W.IntSlider(c.accum_steps, 1, 16, description="accum steps", style=style),
+            "micro_batch": W.IntSlider(c.micro_batch, 1, 64, description="micro batch", style=style),
+            "precision": W.Dropdown(options=["fp32", "bf16", "fp16"], value=c.precision,
+                                    description="precision", style=style),
+            "no_sync": W.Checkbox(c.no_sync, description="no_sync"),
+            "steps": W.BoundedIntText(c.steps, 1, 100_000, description="steps", style=style),
+        }
+        self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint block {i}",
+                                             layout=W.Layout(width="44px")) for i in range(n)]
+        self.run_button = W.Button(description="Run", button_style="success", icon="play")
+        self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop",
+                                    disabled=True)
+        self.torchrun_button = W.Button(description="copy as torchrun command", icon="terminal")
+        self.torchrun_text = W.Textarea(layout=W.Layout(width="100%", height="48px",
+                                                        display="none"))
+        self.progress = W.IntProgress(0, 0, c.steps, description="steps", style=style)
+        self.progress_label = W.Label("")
+        self.estimate_html = W.HTML()
+        self.banner = W.HTML()
+        self.traceback = W.Accordion(children=[W.HTML()], layout=W.Layout(display="none"))
+        self.traceback.set_title(0, "traceback")
+        self.output = W.Output(layout=W.Layout(max_height="160px", overflow="auto"))
+        out_box = W.Accordion(children=[self.output])
+        out_box.set_title(0, "rank output")
+        self.history_html = W.HTML()
+
+        for name, w in self.controls.items():
+            w.observe(self._on_control, names="value")
+        for t in self.block_toggles:
+            t.observe(self._on_toggle, names="value")
+        self.run_button.on_click(lambda _: self.run())
+        self.stop_button.on_click(lambda _: self.stop())
+        self.torchrun_button.on_click(lambda _: self._show_torchrun())
+
+        left = W.VBox([*self.controls.values(), W.HBox(self.block_toggles),
+                       W.HBox([self.run_button, self.stop_button]),
+                       W.HBox([self.progress, self.progress_label]), self.estimate_html,
+                       self.torchrun_button, self.torchrun_text],
+                      layout=W.Layout(width="420px"))
+        right = W.VBox(self.plots.figures, layout=W.Layout(width="640px"))
+        self.widget = W.VBox([self.banner, self.traceback, W.HBox([left, right]), out_box,
+                              self.history_html])
+
+    def show(self):
+        try:
+            from IPython.display import display
+            display(self.widget)
+        except ImportError:
+            pass
+
+    def _ipython_display_(self):
+        self.show()
+
+    # ------------------------------------------------------------------ config <-> widgets
+    def _read_config(self, cfg):
+        """Set the controls from a config (without sending anything mid-run)."""
+        self._syncing = True
+        try:
+            setting = cfg.checkpoint
+            self.controls["segments"].value = setting if isinstance(setting, int) else 0
+            for t, on in zip(self.block_toggles, checkpointed_blocks(setting, cfg.n_blocks)):
+                t.value = on
+            self._selective = isinstance(setting, (list, str))
+        finally:
+            self._syncing = False
+
+    def checkpoint_setting(self):
+        """What the controls say: None, an int (segments), or a list (per-block toggles)."""
+        if self._selective:
+            mask = [t.value for t in self.block_toggles]
+            return mask if any(mask) else None
+        s = self.controls["segments"].value
+        return s or None
+
+    def config(self):
+        """The TrainConfig the controls describe (raises ValueError naming the field)."""
+        v = {k: w.value for k, w in self.controls.items() if k != "segments"}
+        return self.cfg.replace(checkpoint=self.checkpoint_setting(), **v)
+
+    def _on_control(self, change):
+        if self._syncing:
+            return
+        if change["owner"] is self.controls["segments"]:
+            self._selective = False
+            self._syncing = True
+            try:
+                mask = checkpointed_blocks(self.checkpoint_setting(), self.cfg.n_blocks)
+                for t, on in zip(self.block_toggles, mask):
+                    t.value = on
+            finally:
+                self._syncing = False
+        self._update_estimate()
+        self._send_live()
+
+    def _on_toggle(self, change):
+        if self._syncing:
+            return
+        self._selective = True
+        self._update_estimate()
+        self._send_live()
+
+    def set(self, **settings):
+        """Move controls from code, as a person would (``lab.set(segments=2, accum_steps=4)``)."""
+        for name, value in settings.items():
+            if name == "checkpoint":
+                self._read_config(self.cfg.replace(checkpoint=value))
+                self._update_estimate()
+                self._send_live()
+            else:
+                self.controls[name].value = value
+
+    def _send_live(self):
+        if not self.running:
+            return
+        try:
+            cfg = self.config()  # only settings that make a valid config are sent
+        except ValueError:
+            return
+        self._handle.send_control(checkpoint=cfg.checkpoint, accum_steps=cfg.accum_steps)
+
+    def _update_estimate(self):
+        try:
+            cfg = self.config()
+        except ValueError as exc:
+            self.estimate_html.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
+            self.run_button.disabled = True
+            return
+        e = estimate(cfg)
+        self.estimate_html.value = (
+            f"<b>predicted per rank</b>: params {e.params / MIB:.2f} MiB, grads "
+            f"{e.grads / MIB:.2f}, optimizer {e.optimizer / MIB:.2f}, activations "
+            f"{e.activations / MIB:.2f} MiB (one micro-batch); total {e.total / MIB:.2f} MiB")
+        self.run_button.disabled = self.running
+
+    def _show_torchrun(self):
+        self.torchrun_text.value = self.config().to_torchrun()
+        self.torchrun_text.layout.display = ""
+
+    # ------------------------------------------------------------------ running
+    @property
+    def running(self):
+        return self._handle is not None and not self._handle.done
+
+    def run(self):
+        """Start a run of the current config; returns at once (see ``wait``)."""
+        from .launcher import Pool
+        from .train import train
+
+        if self.running or (self._refresher is not None and self._refresher.is_alive()):
+            raise RuntimeError("a run is already going in this lab; stop() or wait() first")
+        cfg = self.config()
+        if self._pool is None or self._pool.world_size != cfg.world_size:
+            if self._pool is not None:
+                self._pool.close()
+            self._pool = Pool(cfg.world_size, cfg.backend, cfg.device)
+        self.metrics = []
+        self.banner.value, self.traceback.layout.display = "", "none"
+        self.output.clear_output()
+        self.plots.new_run(cfg.world_size, predict=lambda rec: activation_bytes(
+            cfg, parse_setting(rec["checkpoint"])), label=f"run {len(self.history)}")
+        self.progress.max, self.progress.value = cfg.steps, 0
+        self._set_running(True)
+        self._t0 = time.monotonic()
+        self._handle = train(cfg, pool=self._pool, block=False, live=True,
+                             on_metric=self._on_metric, on_output=self._on_output)
+        self._refresher = threading.Thread(target=self._follow, args=(cfg, self._handle),
+                                           name="ddpkit-lab", daemon=True)
+        self._refresher.start()
+        return self._handle
+
+    def _on_metric(self, record):
+        self.metrics.append(record)
+        self.plots.add(record)
+
+    def _on_output(self, rank, line):
+        self.output.append_stdout(f"[rank {rank}] {line}\n")
+
+    def _follow(self, cfg, handle):
+        while not handle.done:
+            self.plots.flush()
+            self._update_progress(cfg)
+            time.sleep(0.02)
+        self.plots.flush(force=True)
+        self._update_progress(cfg)
+        self._finish(cfg, handle)
+
+    def _update_progress(self, cfg):
+        done = sum(1 for m in self.metrics if m["rank"] == 0)
+        self.progress.value = done
+        elapsed = time.monotonic() - self._t0
+        eta = elapsed / done * (cfg.steps - done) if done else float("nan")
+        self.progress_label.value = f"{done}/{cfg.steps}" + (f", ETA {eta:.1f} s" if done else "")
+
+    def _finish(self, cfg, handle):
+        error = handle.error
+        status = "error" if error else ("stopped" if handle.result and handle.result.stopped else "ok")
+        m0 = [m for m in self.metrics if m["rank"] == 0]
+        last = [m for m in self.metrics if m0 and m["step"] == m0[-1]["step"]]
+        peaks = [m["peak_bytes"] for m in m0 if "peak_bytes" in m]
+        row = {"run": len(self.history), "status": status, "steps_done": len(m0),
+               "final_loss": statistics.fmean(m["loss"] for m in last) if last else None,
+               "peak_bytes": max(peaks) if peaks else None,
+               "activation_bytes": m0[-1].get("activation_bytes") if m0 else None,
+               "step_time_s": statistics.median(m["step_time_s"] for m in (m0[1:] or m0)) if m0 else None,
+               "wall_s": round(time.monotonic() - self._t0, 3),
+               "changes": [(m["step"], m["changed"]) for m in m0 if m.get("changed")],
+               "config": cfg.to_dict(), "error": str(error) if error else None}
+        self.history.append(row)
+        if error is not None:
+            self._show_error(error)
+        self._render_history()
+        self._set_running(False)
+
+    def _show_error(self, error):
+        if isinstance(error, RankError):
+            head = f"rank {error.rank} failed: {error.exc_type}: {error.message}"
+            tb = error.traceback
+        elif isinstance(error, RankStalled):
+            head, tb = str(error).split(";")[0], str(error)
+        else:
+            head, tb = f"{type(error).__name__}: {error}", ""
+        self.banner.value = (f"<div style='background:#fdd;border-left:6px solid #c00;"
+                             f"padding:6px'><b>{html.escape(head)}</b></div>")
+        self.traceback.children[0].value = f"<pre>{html.escape(tb)}</pre>"
+        self.traceback.layout.display = "" if tb else "none"
+
+    def _render_history(self):
+        cols = ["run", "status", "steps_done", "final_loss", "peak_bytes", "activation_bytes",
+                "step_time_s", "wall_s", "changes"]
+        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+        rows = "".join("<tr>" + "".join(f"<td>{fmt(r[c])}</td>" for c in cols) + "</tr>"
+                       for r in self.history)
+        self.history_html.value = (f"<table><tr>{''.join(f'<th>{c}</th>' for c in cols)}</tr>"
+                                   f"{rows}</table>")
+
+    def _set_running(self, on):
+        for name in ("world_size", "precision", "micro_batch", "steps", "use_reentrant", "no_sync"):
+            w = self.controls[name]
+            w.disabled = on
+            w.tooltip = FIXED_TIP if on else ""
+        self.run_button.disabled = on
+        self.stop_button.disabled = not on
+
+    def wait(self, timeout=None):
+        """Block until the current run ends and its history row is written; returns the row."""
+        if self._refresher is None:
+            return None
+        self._refresher.join(timeout)
+        if self._refresher.is_alive():
+            raise TimeoutError(f"run still going after {timeout}s; call stop() to end it")
+        return self.history[-1]
+
+    def stop(self):
+        """End the current run now; the row says 'stopped'."""
+        if self._handle is not None and not self._handle.done:
+            self._handle.stop()
+        return self.wait()
+
+    def close(self):
+        """Stop any run and end the lab's warm ranks."""
+        self.stop()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

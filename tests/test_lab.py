@@ -1,0 +1,120 @@
+"""The lab without a browser: what its buttons and sliders do, on real gloo ranks."""
+import html
+import time
+
+import pytest
+
+import ddpkit
+from ddpkit.plots import thin
+
+CFG = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accum_steps=1,
+           steps=6, peak_every=3)
+
+
+def rank0_steps(lab):
+    return sum(1 for m in lab.metrics if m["rank"] == 0)
+
+
+def wait_for_steps(lab, n, timeout=60):
+    deadline = time.monotonic() + timeout
+    while rank0_steps(lab) < n:
+        assert time.monotonic() < deadline, "run did not get going"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def lab():
+    with ddpkit.Lab(ddpkit.TrainConfig(**CFG), display=False) as lab:
+        yield lab
+
+
+def test_headless_run_matches_train(lab):
+    assert lab.run() is not None  # returns at once with the handle; the kernel stays free
+    row = lab.wait(timeout=120)
+    ref = ddpkit.train(ddpkit.TrainConfig(**CFG)).summary()
+    assert row["status"] == "ok" and row["steps_done"] == CFG["steps"]
+    assert row["final_loss"] == ref["final_loss"]
+    assert row["activation_bytes"] == ref["activation_bytes"]
+    assert row["config"]["checkpoint"] is None and len(lab.history) == 1
+    assert len(lab.plots.points("loss", 0)) == CFG["steps"] == len(lab.plots.points("loss", 1))
+
+
+def test_mid_run_changes_land_on_every_rank_at_one_step(lab):
+    lab.set(steps=400)
+    lab.run()
+    wait_for_steps(lab, 5)
+    lab.set(segments=2)              # checkpointing on, mid-run
+    wait_for_steps(lab, rank0_steps(lab) + 5)
+    lab.set(accum_steps=2)
+    wait_for_steps(lab, rank0_steps(lab) + 5)
+    row = lab.stop()
+    assert row["status"] == "stopped"
+    changes = dict((kind, step) for step, kind in row["changes"])
+    assert set(changes) == {"checkpoint", "accum_steps"}
+    by_rank = {r: {m["step"]: m for m in lab.metrics if m["rank"] == r} for r in (0, 1)}
+    for kind in changes:  # the same step on both ranks
+        assert by_rank[0][changes[kind]]["changed"] == by_rank[1][changes[kind]]["changed"] == kind
+    k = changes["checkpoint"]
+    before, after = by_rank[0][k - 1]["activation_bytes"], by_rank[0][k]["activation_bytes"]
+    assert after < before  # activation memory drops the step checkpointing goes on
+    assert by_rank[0][k]["checkpoint"] == "2" and by_rank[0][k - 1]["checkpoint"] == "None"
+    a = changes["accum_steps"]
+    assert by_rank[1][a - 1]["accum_steps"] == 1 and by_rank[1][a]["accum_steps"] == 2
+    # the figure got a marker for each change
+    assert len(lab.plots.loss.layout.shapes) == 2
+
+
+def test_controls_fixed_during_a_run_are_disabled_with_a_reason(lab):
+    lab.set(steps=400)
+    lab.run()
+    wait_for_steps(lab, 1)
+    ws = lab.controls["world_size"]
+    assert ws.disabled and "Stop first" in ws.tooltip and lab.controls["precision"].disabled
+    assert not lab.controls["segments"].disabled and not lab.controls["accum_steps"].disabled
+    with pytest.raises(RuntimeError, match="already going"):
+        lab.run()
+    lab.stop()
+    assert not ws.disabled and not lab.run_button.disabled
+
+
+def test_estimate_readout_and_block_toggles_follow_the_slider(lab):
+    before = lab.estimate_html.value
+    lab.set(segments=4)
+    assert [t.value for t in lab.block_toggles] == [True, True, True, False]  # last segment never
+    assert lab.estimate_html.value != before and "activations" in lab.estimate_html.value
+    lab.block_toggles[3].value = True  # a per-block toggle makes the policy selective
+    assert lab.config().checkpoint == [True, True, True, True]
+    lab.set(micro_batch=64, segments=0)
+    assert lab.config().checkpoint is None
+    lab.set(world_size=1, precision="fp16")
+    assert "precision='fp16' needs CUDA" in html.unescape(lab.estimate_html.value)
+    assert lab.run_button.disabled
+
+
+def test_a_rank_error_shows_a_banner_and_the_lab_is_ready_again(lab):
+    lab.set(steps=400)
+    handle = lab.run()
+    wait_for_steps(lab, 2)
+    handle.send_control(checkpoint="bogus")  # what a broken control would do
+    row = lab.wait(timeout=60)
+    assert row["status"] == "error" and "rank 0 failed" in row["error"]
+    assert "failed" in lab.banner.value and "#c00" in lab.banner.value
+    assert "Traceback" in lab.traceback.children[0].value
+    lab.set(steps=3)
+    assert lab.run() and lab.wait(timeout=120)["status"] == "ok"
+    assert lab.banner.value == ""
+
+
+def test_figures_update_at_a_bounded_rate(lab):
+    lab.set(steps=300)
+    lab.run()
+    row = lab.wait(timeout=120)
+    assert lab.plots.flushes <= 10 * row["wall_s"] + 2
+    assert len(lab.plots.points("loss")) == 300  # every record reached the figure
+
+
+def test_thin_keeps_the_ends_and_bounds_the_points():
+    xs = list(range(10_001))
+    tx, ty = thin(xs, xs, 2000)
+    assert len(tx) <= 2001 and tx[0] == 0 and tx[-1] == 10_000 and tx == ty
+    assert thin(xs[:50], xs[:50], 2000) == (xs[:50], xs[:50])
