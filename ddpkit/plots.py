@@ -30,9 +30,10 @@ def thin(xs, ys, max_points):
 class LivePlots:
     """Three FigureWidgets (``loss``, ``memory``, ``timing``) fed by records."""
 
-    def __init__(self, world_size=2, max_hz=10.0, max_points=2000, height=300):
+    def __init__(self, world_size=2, max_hz=10.0, max_points=2000, height=340):
         import plotly.graph_objects as go
 
+        legend = dict(orientation="h", y=-0.3)
         self.max_hz, self.max_points = max_hz, max_points
         self._lock = threading.Lock()
         self._pending = []
@@ -40,15 +41,15 @@ class LivePlots:
         self.flushes = 0
         self.loss = go.FigureWidget(layout=dict(title="loss per rank", height=height,
                                                 xaxis_title="optimizer step", yaxis_title="loss",
-                                                margin=dict(t=40, b=40, l=50, r=10)))
+                                                margin=dict(t=40, b=40, l=50, r=10), legend=legend))
         self.memory = go.FigureWidget(layout=dict(title="memory per rank (MiB)", height=height,
                                                   xaxis_title="optimizer step", yaxis_title="MiB",
-                                                  margin=dict(t=40, b=40, l=50, r=10)))
+                                                  margin=dict(t=40, b=40, l=50, r=10), legend=legend))
         self.timing = go.FigureWidget(layout=dict(
             title="step time (ms) and all-reduce calls", height=height,
             xaxis_title="optimizer step", yaxis=dict(title="ms"),
             yaxis2=dict(title="all-reduces", overlaying="y", side="right"),
-            margin=dict(t=40, b=40, l=50, r=50)))
+            margin=dict(t=40, b=40, l=50, r=50), legend=legend))
         self._traces = {}
         self._data = {}
         self.new_run(world_size)
@@ -68,6 +69,7 @@ class LivePlots:
                     tr.opacity = 0.25
                     tr.showlegend = False
                 fig.layout.shapes = ()
+                fig.layout.annotations = ()
         self._traces, self._data = {}, {}
         for r in range(world_size):
             c = COLORS[r % len(COLORS)]

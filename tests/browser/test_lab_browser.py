@@ -1,0 +1,123 @@
+"""The lab as a person uses it: JupyterLab in headless Chromium, a click on Run, a slider moved
+mid-run, and the plots answering. Needs Debian's chromium (`.ci/run` installs it) and the
+playwright Python package (never `playwright install`: it downloads, and fails here)."""
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                                reason="needs Debian's chromium (apt-get install chromium)")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+# every FigureWidget's traces, as plotly.js holds them in the page
+TRACES = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(gd =>
+    (gd.data || []).map(t => ({name: t.name, opacity: t.opacity === undefined ? 1 : t.opacity,
+                              y: Array.from(t.y || [])})))"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def jupyter(tmp_path):
+    work = tmp_path / "nb"
+    work.mkdir()
+    shutil.copy(ROOT / "notebooks" / "08_lab.ipynb", work)
+    port, token = free_port(), secrets.token_hex(16)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--allow-root", "--no-browser", "--ip=127.0.0.1",
+         f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
+         "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "jupyter.log", "w"),
+        start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, (tmp_path / "jupyter.log").read_text()[-3000:]
+            time.sleep(0.5)
+    try:
+        yield base, token, tmp_path
+    finally:
+        os.killpg(proc.pid, 15)  # the server and the kernels it started (and their ranks)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        time.sleep(1.5)  # ranks notice their kernel is gone within a second
+
+
+def traces_named(page, fig, name):
+    """Every run's trace `name` in figure `fig`, oldest first (old runs are faded overlays)."""
+    return [t for t in page.evaluate(TRACES)[fig] if t["name"] == name]
+
+
+def test_lab_in_a_real_browser(jupyter):
+    playwright = pytest.importorskip("playwright.sync_api")
+    base, token, tmp = jupyter
+    with playwright.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp / "profile"), executable_path=CHROMIUM,
+                                                   headless=True, args=FLAGS,
+                                                   viewport={"width": 1400, "height": 1000})
+        try:
+            page = ctx.new_page()
+            page.goto(f"{base}/lab/tree/08_lab.ipynb?token={token}")
+            page.wait_for_selector(".jp-Notebook", timeout=60_000)
+            page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                                   " && window.jupyterapp.shell.currentWidget.sessionContext"
+                                   " && window.jupyterapp.shell.currentWidget.sessionContext.session",
+                                   timeout=60_000)
+            # not awaited: the command resolves only when every cell has ended
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            page.wait_for_selector(".jp-OutputArea-output:has-text('scripted demo done')", timeout=180_000)
+
+            runs_so_far = len(traces_named(page, 0, "rank 0"))
+            run = page.locator("button.jupyter-button", has_text="Run").first
+            run.scroll_into_view_if_needed()
+            run.click()
+            # a new run's traces appear, the old ones fade, and the new loss trace fills
+            page.wait_for_function(
+                f"() => {{ const t = ({TRACES})()[0].filter(t => t.name === 'rank 0');"
+                f" return t.length > {runs_so_far} && t[t.length - 1].y.length >= 10"
+                f" && t[0].opacity < 1; }}", timeout=60_000)
+            loss_before = len(traces_named(page, 0, "rank 0")[-1]["y"])
+            acts_before = traces_named(page, 1, "activations r0")[-1]["y"]
+
+            slider = page.locator(".widget-slider", has_text="ckpt segments").locator(".noUi-handle").first
+            slider.focus()
+            page.keyboard.press("ArrowRight")
+            page.keyboard.press("ArrowRight")  # 0 -> 2 segments, mid-run
+            page.wait_for_timeout(1500)
+            news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "news?" toast
+            if news.count() and news.first.is_visible():
+                news.first.click(timeout=5_000)
+            page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+            page.screenshot(path=str(tmp / "lab-mid-run.png"), full_page=True)
+            if os.environ.get("DDPKIT_SCREENSHOT"):
+                shutil.copy(tmp / "lab-mid-run.png", os.environ["DDPKIT_SCREENSHOT"])
+            loss_after = len(traces_named(page, 0, "rank 0")[-1]["y"])
+            acts_after = traces_named(page, 1, "activations r0")[-1]["y"]
+            assert loss_after > loss_before, "the loss plot stopped gaining points"
+            assert len(set(acts_before)) == 1, acts_before  # constant before the change
+            assert min(acts_after) < acts_before[0], (acts_before[:3], acts_after[-3:])
+            assert (tmp / "lab-mid-run.png").stat().st_size > 10_000
+        finally:
+            ctx.close()
