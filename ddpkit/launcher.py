@@ -294,6 +294,10 @@ class RunHandle:
     def done(self):
         return self._done.is_set()
 
+    def join(self, timeout=None):
+        """Wait up to ``timeout`` s for the run to end, without raising its error; True if ended."""
+        return self._done.wait(timeout)
+
     def wait(self, timeout=None):
         """Block until the run ends; Ctrl-C / kernel interrupt stops every rank, then re-raises."""
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -75,6 +75,7 @@ class Context:
         self.is_main = rank == 0
         self._channel = channel
         self.last_step = None
+        self._next_sync, self._last_sync = 0, None
         self.records = []  # kept here only when there is no kernel to send them to (torchrun)
 
     @classmethod
@@ -104,23 +105,43 @@ class Context:
         if dist.is_initialized():
             dist.barrier()
 
-    def sync_controls(self):
-        """Rank 0 reads settings the kernel sent while running; every rank gets the same dict.
+    def sync_controls(self, step, latency_s=0.1):
+        """Settings the kernel sent while running, the same on every rank, at the same step.
 
-        Collective: every rank must call it at the same point (the train loop does, once per
-        optimizer step), which is what makes a mid-run change land on all ranks together.
+        Collective: every rank calls it at every step with the same ``step`` (the train loop
+        does), but it only talks on the steps it scheduled: rank 0 reads its pipe and
+        broadcasts ``[has settings, next step to talk]``, spacing the talks about ``latency_s``
+        apart (a change lands within ~0.1 s), so a fast step does not pay a collective each time.
         """
+        if step < self._next_sync:
+            return {}
         fresh = {}
         if self.is_main and self._channel is not None:
             while self._channel.poll():
                 msg = self._channel.recv()
                 if msg[0] == "control":
                     fresh.update(msg[1])
+        now = time.monotonic()
+        if self._last_sync is not None and step > self._last_sync[0]:
+            per_step = (now - self._last_sync[1]) / (step - self._last_sync[0])
+            gap = max(1, min(1000, int(latency_s / max(per_step, 1e-6))))
+        else:
+            gap = 1
+        self._last_sync = (step, now)
+        header = [1 if fresh else 0, step + gap]
         if dist.is_initialized() and self.world_size > 1:
-            box = [fresh]
-            dist.broadcast_object_list(box, src=0)
-            fresh = box[0]
+            flag = torch.tensor(header, device=self._flag_device())
+            dist.broadcast(flag, src=0)
+            header = flag.tolist()
+            if header[0]:
+                box = [fresh]
+                dist.broadcast_object_list(box, src=0, device=self._flag_device())
+                fresh = box[0]
+        self._next_sync = header[1]
         return fresh
+
+    def _flag_device(self):
+        return self.device if self.backend == "nccl" else torch.device("cpu")
 
 
 def apply_job_state(seed, flags):
@@ -293,6 +314,7 @@ def rank_main(rank, world_size, conn, spec):
 def _run_job(ctx, channel, output, job):
     """Run one job; True when it returned normally."""
     ctx.last_step = None
+    ctx._next_sync, ctx._last_sync = 0, None
     try:
         fn, args, kwargs = shipping.loads(job["payload"])
         apply_job_state(job["seed"], job["flags"])

@@ -42,8 +42,8 @@ def wrap_ddp(cfg, model, ctx):
 def train_rank(ctx, cfg, live=False):
     """Train ``cfg`` on this rank; log one record per optimizer step; rank 0 returns weights.
 
-    live=True: before each step, settings sent from the kernel (``RunHandle.send_control``) are
-    read on rank 0 and broadcast, so a change lands on every rank at the same step.
+    live=True: settings sent from the kernel (``RunHandle.send_control``) are read on rank 0
+    and broadcast (about every 0.1 s), so a change lands on every rank at the same step.
     """
     model = build_model(cfg).to(ctx.device)
     CheckpointPolicy.from_config(cfg).apply(model)
@@ -58,7 +58,7 @@ def train_rank(ctx, cfg, live=False):
     timer = StepTimer(ctx.device)
     accum, setting, consumed = cfg.accum_steps, cfg.checkpoint, 0
     for step in range(cfg.steps):
-        sent = ctx.sync_controls() if live else {}
+        sent = ctx.sync_controls(step) if live else {}
         changed = []  # what actually changes at this step, on every rank alike
         if "checkpoint" in sent and sent["checkpoint"] != setting:
             setting = sent["checkpoint"]

@@ -209,7 +209,7 @@ class Lab:
             if self._pool is not None:
                 self._pool.close()
             self._pool = Pool(cfg.world_size, cfg.backend, cfg.device)
-        self.metrics = []
+        self.metrics, self._rank0_steps = [], 0
         self.banner.value, self.traceback.layout.display = "", "none"
         self.output.clear_output()
         self.plots.new_run(cfg.world_size, predict=lambda rec: activation_bytes(
@@ -226,22 +226,26 @@ class Lab:
 
     def _on_metric(self, record):
         self.metrics.append(record)
+        self._rank0_steps += record["rank"] == 0
         self.plots.add(record)
 
     def _on_output(self, rank, line):
         self.output.append_stdout(f"[rank {rank}] {line}\n")
 
     def _follow(self, cfg, handle):
+        # one wake-up per allowed figure update: each widget change is a message to the
+        # browser, and the kernel shares the cores with the ranks
+        period = 1.0 / self.plots.max_hz
         while not handle.done:
-            self.plots.flush()
-            self._update_progress(cfg)
-            time.sleep(0.02)
+            handle.join(period)
+            if self.plots.flush(force=True):
+                self._update_progress(cfg)
         self.plots.flush(force=True)
         self._update_progress(cfg)
         self._finish(cfg, handle)
 
     def _update_progress(self, cfg):
-        done = sum(1 for m in self.metrics if m["rank"] == 0)
+        done = self._rank0_steps
         self.progress.value = done
         elapsed = time.monotonic() - self._t0
         eta = elapsed / done * (cfg.steps - done) if done else float("nan")

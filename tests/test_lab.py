@@ -22,6 +22,14 @@ def wait_for_steps(lab, n, timeout=60):
         time.sleep(0.005)
 
 
+def wait_for_change(lab, kind, timeout=30):
+    """Changes land within ~0.1 s (ranks agree on them at scheduled steps)."""
+    deadline = time.monotonic() + timeout
+    while not any(kind in m.get("changed", "") for m in list(lab.metrics)):
+        assert time.monotonic() < deadline, f"{kind} change never landed"
+        time.sleep(0.005)
+
+
 @pytest.fixture
 def lab():
     with ddpkit.Lab(ddpkit.TrainConfig(**CFG), display=False) as lab:
@@ -44,9 +52,10 @@ def test_mid_run_changes_land_on_every_rank_at_one_step(lab):
     lab.run()
     wait_for_steps(lab, 5)
     lab.set(segments=2)              # checkpointing on, mid-run
-    wait_for_steps(lab, rank0_steps(lab) + 5)
+    wait_for_change(lab, "checkpoint")
     lab.set(accum_steps=2)
-    wait_for_steps(lab, rank0_steps(lab) + 5)
+    wait_for_change(lab, "accum_steps")
+    wait_for_steps(lab, rank0_steps(lab) + 3)
     row = lab.stop()
     assert row["status"] == "stopped"
     changes = dict((kind, step) for step, kind in row["changes"])
