@@ -7,6 +7,7 @@ from .errors import RankError, RankStalled
 from .launcher import Pool, RunHandle, RunResult, launch
 from .config import TrainConfig
 from .estimate import Estimate, estimate  # binds the function over the submodule's name
+from .doctor import Finding, doctor  # likewise; doctor.py needs only torch at import
 from .rank import Context
 from .train import TrainResult, sweep, train
 
@@ -24,4 +25,4 @@ def __getattr__(name):
 
 
 __all__ = ["Context", "Pool", "RankError", "RankStalled", "RunHandle", "RunResult", "TrainConfig",
-           "TrainResult", "estimate", "launch", "sweep", "train"]
+           "TrainResult", "Finding", "doctor", "estimate", "launch", "sweep", "train"]

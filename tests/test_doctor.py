@@ -1,0 +1,244 @@
+"""`ddpkit.doctor`: each hazard it claims, found on a small model built to have it; no false
+alarm on the built-in models; the checked model left exactly as it was. One process, no launch."""
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import ddpkit
+from ddpkit import TrainConfig, doctor
+from ddpkit.doctor import Finding
+
+D = 6
+
+
+def x(n=5):
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(0))
+
+
+def kinds(findings):
+    return [(f.pitfall, f.where) for f in findings]
+
+
+class Plain(nn.Module):
+    """first -> mid -> head; doctor installs checkpoints on these by name."""
+
+    def __init__(self, spare=False):
+        super().__init__()
+        self.first, self.mid, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 1)
+        self.spare = nn.Linear(D, D) if spare else None
+
+    def forward(self, inp):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.first(inp))))).mean()
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.shared, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 1)
+
+    def forward(self, inp):
+        return self.head(self.shared(torch.tanh(self.shared(self.stem(inp))))).mean()
+
+
+class WithBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(D, D)
+        self.seg = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh())
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, inp):
+        return self.head(self.seg(self.stem(inp))).mean()
+
+
+class OwnCheckpoint(nn.Module):
+    """Checkpoints itself, the way user code does: doctor must see it without being told."""
+
+    def __init__(self, use_reentrant, shared=False, stem=True):
+        super().__init__()
+        self.use_reentrant, self.shared = use_reentrant, shared
+        self.stem = nn.Linear(D, D) if stem else nn.Identity()
+        self.body = nn.Sequential(nn.Linear(D, D), nn.Tanh())
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, inp):
+        kw = {} if self.use_reentrant == "unset" else {"use_reentrant": self.use_reentrant}
+        h = checkpoint(self.body, self.stem(inp), **kw)
+        if self.shared:
+            h = checkpoint(self.body, h, **kw)
+        return self.head(h).mean()
+
+
+# --- each hazard, on a model built to have it
+def test_reentrant_input_no_grad_on_a_named_segment():
+    found = doctor(Plain(), x(), checkpoint=["first"], use_reentrant=True)
+    assert kinds(found) == [("reentrant_input_no_grad", "first")]
+    assert "its input does not require grad" in found[0].message and "2 parameter" in found[0].message
+    assert "use_reentrant=False" in found[0].fix
+    # the same segment later in the network (its input requires grad), or non-reentrant: fine
+    assert doctor(Plain(), x(), checkpoint=["mid"], use_reentrant=True) == []
+    assert doctor(Plain(), x(), checkpoint=["first"], use_reentrant=False) == []
+
+
+def test_reentrant_input_no_grad_in_the_models_own_checkpoint():
+    found = doctor(OwnCheckpoint(True, stem=False), x())
+    assert kinds(found) == [("reentrant_input_no_grad", "body")]  # the region, not body.0
+    assert "None of the inputs have requires_grad=True" in found[0].message
+
+
+def test_module_used_twice_under_reentrant_checkpointing():
+    found = doctor(Shared(), x(), checkpoint=["shared"], use_reentrant=True)
+    assert kinds(found) == [("reentrant_shared_module", "shared")]
+    assert "accumulated 2x in one backward (shared called 2x)" in found[0].message
+    assert "Expected to mark a variable ready only once" in found[0].message
+    # the fixes the catalogue names remove the finding; without checkpointing there is none
+    assert doctor(Shared(), x(), checkpoint=["shared"], use_reentrant=False) == []
+    assert doctor(Shared(), x(), checkpoint=["shared"], use_reentrant=True,
+                  ddp_kwargs={"static_graph": True}) == []
+    assert doctor(Shared(), x()) == []
+    # the model's own checkpoint calls are seen too
+    assert kinds(doctor(OwnCheckpoint(True, shared=True), x())) == [
+        ("reentrant_shared_module", "body.0")]
+    assert doctor(OwnCheckpoint(False, shared=True), x()) == []
+
+
+def test_reentrant_with_find_unused_parameters():
+    cfg = TrainConfig(checkpoint=2, use_reentrant=True, find_unused_parameters=True)
+    found = doctor(cfg)
+    assert kinds(found)[0] == ("reentrant_find_unused", "blocks[0:2]")
+    assert "12 parameter tensor(s) are invisible in the forward graph" in found[0].message
+    # every parameter got a gradient, so find_unused_parameters=True is not needed either
+    assert kinds(found)[1] == ("unused_parameters", "(ddp_kwargs)")
+    assert doctor(cfg.replace(use_reentrant=False, find_unused_parameters=False)) == []
+    assert doctor(cfg.replace(static_graph=True, find_unused_parameters=False)) == []
+
+
+def test_batchnorm_inside_a_checkpointed_segment():
+    found = doctor(WithBN(), x(), checkpoint=["seg"])
+    assert kinds(found) == [("batchnorm_in_checkpoint", "seg.1")]
+    assert "running statistics were updated 2x for 1 forward call(s)" in found[0].message
+    assert doctor(WithBN(), x(), checkpoint=["seg.0"]) == []  # BatchNorm outside: fine
+    assert doctor(WithBN(), x()) == []
+
+
+def test_unused_parameters_and_whether_find_unused_is_needed():
+    found = doctor(Plain(spare=True), x())
+    assert kinds(found) == [("unused_parameters", "spare")]
+    assert "2 parameter tensor(s) got no gradient" in found[0].message
+    assert "find_unused_parameters=True" in found[0].fix
+    assert doctor(Plain(spare=True), x(), ddp_kwargs={"find_unused_parameters": True}) == []
+    hint = doctor(Plain(), x(), ddp_kwargs={"find_unused_parameters": True})
+    assert kinds(hint) == [("unused_parameters", "(ddp_kwargs)")]
+    assert "it is not needed" in hint[0].message
+
+
+def test_dropout_without_preserved_rng_state():
+    cfg = TrainConfig(checkpoint="full", dropout=0.1, preserve_rng_state=False)
+    found = doctor(cfg)
+    assert kinds(found) == [("dropout_rng", "blocks.0.drop, blocks.1.drop, blocks.2.drop, "
+                                            "blocks.3.drop")]
+    assert doctor(cfg.replace(preserve_rng_state=True)) == []
+    assert doctor(cfg.replace(checkpoint=None)) == []  # nothing recomputed
+    # functional dropout (attention's dropout_p) counts too: gpt's own Dropout plus SDPA's
+    gpt = doctor(cfg.replace(model="gpt", n_blocks=2, checkpoint="full"))
+    assert [f.pitfall for f in gpt] == ["dropout_rng"]
+
+
+def test_checkpoint_without_use_reentrant():
+    found = doctor(OwnCheckpoint("unset"), x())
+    assert kinds(found) == [("default_use_reentrant", "body")]
+    assert "runs the reentrant variant" in found[0].message
+    assert doctor(OwnCheckpoint(False), x()) == [] and doctor(OwnCheckpoint(True), x()) == []
+
+
+def test_callable_checkpoint_selects_submodules():
+    found = doctor(Plain(), x(), checkpoint=lambda name, m: isinstance(m, nn.Linear)
+                   and name != "head", use_reentrant=True)
+    # first's output needs no grad either (nothing inside it got one), so mid starves too
+    assert kinds(found) == [("reentrant_input_no_grad", "first"), ("reentrant_input_no_grad", "mid")]
+    assert doctor(Plain(), x(), checkpoint=lambda name, m: name == "mid", use_reentrant=True) == []
+
+
+# --- no false alarms
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_no_findings_on_the_built_in_models(model):
+    n = 4 if model == "mlp" else 2
+    settings = [None, 1, 2, "full", [True, False] * (n // 2)]
+    for setting in settings:
+        for reentrant in (False, True):
+            for dropout in (0.0, 0.1):
+                cfg = TrainConfig(model=model, n_blocks=n, checkpoint=setting,
+                                  use_reentrant=reentrant, dropout=dropout)
+                assert doctor(cfg) == [], (setting, reentrant, dropout)
+    assert doctor(TrainConfig(model=model, static_graph=True, no_sync=True)) == []
+
+
+def test_doctor_of_the_default_config_is_fast():
+    doctor(TrainConfig())  # first call pays one-off costs
+    best = min(_timed(lambda: doctor(TrainConfig())) for _ in range(3))
+    assert best < 0.5, best
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# --- side-effect free
+def test_the_checked_model_is_left_as_it_was():
+    model = WithBN()
+    model.eval()
+    model.stem.weight.grad = torch.ones_like(model.stem.weight)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    found = doctor(model, x(), checkpoint=["seg"])
+    assert found  # it did look (BatchNorm was recomputed in training mode)
+    assert not model.training and not model.seg[1].training
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert torch.equal(model.stem.weight.grad, torch.ones_like(model.stem.weight))
+    assert model.head.weight.grad is None
+    assert "forward" not in model.seg.__dict__  # the installed checkpoint is gone
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    from ddpkit.models import build_model
+
+    built = build_model(TrainConfig())
+    before = dict(built.__dict__)
+    doctor(built, (torch.randn(4, 64), torch.randn(4)), checkpoint=2)
+    assert "run_blocks" not in built.__dict__ and built.__dict__.keys() == before.keys()
+
+
+# --- API
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match=r"checkpoint names \['nope'\] are not submodules of Plain"):
+        doctor(Plain(), x(), checkpoint=["nope"])
+    with pytest.raises(ValueError, match=r"checkpoint=2 acts on model.blocks, and this Plain has none"):
+        doctor(Plain(), x(), checkpoint=2)
+    with pytest.raises(TypeError, match=r"doctor\(model, example_input\): pass one example batch"):
+        doctor(Plain())
+    with pytest.raises(TypeError, match=r"doctor\(cfg\) builds its own input"):
+        doctor(TrainConfig(), x())
+    with pytest.raises(TypeError, match=r"takes an nn.Module or a ddpkit.TrainConfig, got str"):
+        doctor("mlp", x())
+
+
+def test_findings_read_well():
+    found = doctor(Plain(spare=True), x())
+    assert isinstance(found[0], Finding) and found.pitfalls == ["unused_parameters"]
+    text = repr(found)
+    assert text.startswith("[unused_parameters] at spare: 2 parameter tensor(s) got no gradient")
+    assert "\n    fix: pass find_unused_parameters=True" in text
+    assert repr(doctor(Plain(), x())) == "doctor: no findings"
+
+
+def test_ddpkit_doctor_is_the_function_even_after_importing_the_submodule():
+    code = ("import ddpkit, ddpkit.doctor; from ddpkit.doctor import Finding; "
+            "assert callable(ddpkit.doctor) and ddpkit.doctor.__name__ == 'doctor'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
