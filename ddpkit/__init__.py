@@ -16,7 +16,13 @@ __version__ = "0.1.0"
 _LAZY = {"Lab": ".widgets", "LivePlots": ".plots"}
 
 
+_LAZY_MODULES = ("pitfalls",)  # the pitfall lab: loaded on first use
+
+
 def __getattr__(name):
+    if name in _LAZY_MODULES:
+        import importlib
+        return importlib.import_module("." + name, __name__)
     if name in _LAZY:
         import importlib
         module = importlib.import_module(_LAZY[name], __name__)

@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-import ddpkit
 from ddpkit import TrainConfig, doctor
 from ddpkit.doctor import Finding
 
