@@ -45,6 +45,11 @@ class TrainConfig:
     static_graph: bool = False
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
+    strategy: str = "ddp"
+    """'ddp'; 'ddp_zero1' (DDP + ZeroRedundancyOptimizer: optimizer state sharded); 'fsdp'
+    (FSDP2 fully_shard per block, then the root: params, grads and optimizer state sharded)."""
+    comm_hook: str | None = None
+    """DDP gradient compression: None, 'fp16' or 'bf16' (torch's *_compress_hook; bf16 needs NCCL)."""
     # --- activation checkpointing
     checkpoint: object = None
     """None (off); an int s: s segments as torch's checkpoint_sequential counts them (the first
@@ -59,6 +64,8 @@ class TrainConfig:
     optimizer: str = "sgd"
     """'sgd', 'adamw', or 'zero1' (AdamW sharded by torch's ZeroRedundancyOptimizer)."""
     lr: float = 0.05
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many steps (a LambdaLR, saved with checkpoints)."""
     steps: int = 10
     """Optimizer steps."""
     seed: int = 0
@@ -68,6 +75,9 @@ class TrainConfig:
     measure: object = True
     """True: every probe (activation bytes, peak memory, all-reduce counts); False: none (a bare
     timing run); or a list naming some of 'activations', 'peak', 'comm'."""
+    save_every: int = 0
+    """Save a checkpoint every N optimizer steps into save_dir (0: never)."""
+    save_dir: str | None = None
     peak_every: int = 10
     """Peak memory is probed at step 1, every peak_every steps after it, and at the step after a
     mid-run change (every step on CUDA, where it is free). On CPU the probe opens a profiler
@@ -103,6 +113,25 @@ class TrainConfig:
             bad("optimizer", "unknown optimizer", f"pass one of {OPTIMIZERS}")
         if not self.lr > 0:
             bad("lr", "must be > 0", "pass e.g. lr=0.05")
+        from .strategies import COMM_HOOKS, STRATEGIES
+
+        if self.strategy not in STRATEGIES:
+            bad("strategy", "unknown strategy", f"pass one of {STRATEGIES}")
+        if self.strategy == "fsdp" and self.optimizer == "zero1":
+            bad("optimizer", "zero1 shards the optimizer of DDP; FSDP shards it already",
+                "pass optimizer='adamw' with strategy='fsdp', or strategy='ddp_zero1'")
+        if self.comm_hook not in COMM_HOOKS:
+            bad("comm_hook", "unknown hook", f"pass one of {COMM_HOOKS}")
+        if self.comm_hook and self.strategy == "fsdp":
+            bad("comm_hook", "DDP communication hooks do not apply to FSDP",
+                "pass comm_hook=None with strategy='fsdp'")
+        for name in ("warmup_steps", "save_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                bad(name, "must be an int >= 0", f"pass {name}=0 (off) or more")
+        if self.save_every and not self.save_dir:
+            bad("save_dir", f"save_every={self.save_every} needs a folder",
+                "pass save_dir='checkpoints' (or save_every=0)")
         if not isinstance(self.measure, bool):
             if not isinstance(self.measure, (list, tuple)) or not set(self.measure) <= set(PROBES):
                 bad("measure", "must be True, False or a list of probe names",
@@ -142,6 +171,10 @@ class TrainConfig:
                              "no-op); on CPU pass precision='bf16' or 'fp32'")
         if self.precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError("TrainConfig.precision='bf16': this GPU has no bf16; pass 'fp16'")
+        if self.comm_hook == "bf16" and backend != "nccl":
+            raise ValueError(f"TrainConfig.comm_hook='bf16': bf16_compress_hook needs CUDA and "
+                             f"NCCL, this run uses {backend} (torch raises TypeError there); pass "
+                             f"comm_hook='fp16' or None")
 
     # --- derived
     @property

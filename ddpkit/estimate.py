@@ -91,13 +91,21 @@ def optimizer_bytes(cfg, n_params):
     if cfg.optimizer == "sgd":
         return 0  # plain SGD (no momentum) keeps no state
     adam = 2 * n_params * F32  # exp_avg and exp_avg_sq
-    return adam // cfg.world_size if cfg.optimizer == "zero1" else adam
+    sharded = cfg.optimizer == "zero1" or cfg.strategy in ("ddp_zero1", "fsdp")
+    return adam // cfg.world_size if sharded else adam
 
 
 def estimate(cfg) -> Estimate:
-    """Predicted bytes per rank for ``cfg`` (a TrainConfig)."""
+    """Predicted bytes per rank for ``cfg`` (a TrainConfig).
+
+    Model states follow the ZeRO paper with this kit's dtypes (fp32 weights, fp32 gradients,
+    two fp32 Adam moments: 4 + 4 + 8 = 16 bytes per parameter Psi): DDP keeps all 16 Psi on every
+    rank; ZeRO-1 (``ddp_zero1``) shards the optimizer: 8 Psi + 8 Psi / N; FSDP (ZeRO-3) shards
+    everything: 16 Psi / N (FSDP pads each shard a little, so a rank may hold a few bytes more).
+    """
     n = param_count(cfg)
     _, block, boundary = activation_parts(cfg)
-    return Estimate(params=n * F32, grads=n * F32, optimizer=optimizer_bytes(cfg, n),
-                    activations=activation_bytes(cfg), activation_per_block=block,
-                    boundary=boundary)
+    shards = cfg.world_size if cfg.strategy == "fsdp" else 1
+    return Estimate(params=n * F32 // shards, grads=n * F32 // shards,
+                    optimizer=optimizer_bytes(cfg, n), activations=activation_bytes(cfg),
+                    activation_per_block=block, boundary=boundary)

@@ -120,27 +120,39 @@ def build_model(cfg):
 
 
 class SyntheticData:
-    """All samples of a run, made once from the seed: ``steps * global_batch`` of them."""
+    """The samples of a run, made from the seed in blocks of 1,024: sample i is the same
+    whatever the run's length, so a run resumed at step k sees exactly the data it would have."""
+
+    BLOCK = 1024
 
     def __init__(self, cfg, n_samples=None):
         self.cfg = cfg
         n = n_samples or cfg.steps * cfg.global_batch
         g = torch.Generator().manual_seed(10_000 + cfg.seed)
         if cfg.model == "mlp":
-            self.inputs = torch.randn(n, cfg.width, generator=g)
-            proj = torch.randn(cfg.width, generator=g) / math.sqrt(cfg.width)
-            self.targets = torch.sin(3 * self.inputs @ proj)
+            self._proj = torch.randn(cfg.width, generator=g) / math.sqrt(cfg.width)
         else:
             # a fixed random "grammar": each token strongly predicts the next, so loss can fall
-            nxt = torch.randint(cfg.vocab, (cfg.vocab,), generator=g)
-            start = torch.randint(cfg.vocab, (n,), generator=g)
-            noise = torch.rand(n, cfg.seq_len + 1, generator=g) < 0.1
-            rand = torch.randint(cfg.vocab, (n, cfg.seq_len + 1), generator=g)
-            seq = torch.empty(n, cfg.seq_len + 1, dtype=torch.long)
-            seq[:, 0] = start
-            for t in range(1, cfg.seq_len + 1):
-                seq[:, t] = torch.where(noise[:, t], rand[:, t], nxt[seq[:, t - 1]])
-            self.inputs, self.targets = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+            self._next = torch.randint(cfg.vocab, (cfg.vocab,), generator=g)
+        blocks = [self._block(b) for b in range(-(-n // self.BLOCK))]
+        # clone: own storages of exactly n samples (a view would keep whole blocks alive)
+        self.inputs = torch.cat([x for x, _ in blocks])[:n].clone()
+        self.targets = torch.cat([y for _, y in blocks])[:n].clone()
+
+    def _block(self, b):
+        cfg, size = self.cfg, self.BLOCK
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + b)
+        if cfg.model == "mlp":
+            x = torch.randn(size, cfg.width, generator=g)
+            return x, torch.sin(3 * x @ self._proj)
+        start = torch.randint(cfg.vocab, (size,), generator=g)
+        noise = torch.rand(size, cfg.seq_len + 1, generator=g) < 0.1
+        rand = torch.randint(cfg.vocab, (size, cfg.seq_len + 1), generator=g)
+        seq = torch.empty(size, cfg.seq_len + 1, dtype=torch.long)
+        seq[:, 0] = start
+        for t in range(1, cfg.seq_len + 1):
+            seq[:, t] = torch.where(noise[:, t], rand[:, t], self._next[seq[:, t - 1]])
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     def micro_batches(self, start, rank, world_size, micro_batch, accum_steps):
         """Rank ``rank``'s micro-batches for the optimizer step whose global batch starts at

@@ -22,6 +22,16 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
+def _local(t):
+    """This rank's part of a tensor (a DTensor's local shard under FSDP)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t):
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
 def _storage(t):
     st = t.untyped_storage()
     return st.data_ptr(), st.nbytes()
@@ -35,6 +45,7 @@ class ActivationProbe:
         self.bytes = self.max_bytes = 0
         self._seen = set()
         self._params = set()
+        self._model = None
 
     def new_step(self):
         self.max_bytes = 0
@@ -45,6 +56,10 @@ class ActivationProbe:
         key, nbytes = _storage(t)
         if key in self._params or key in self._seen or nbytes == 0:
             return
+        if self._model is not None:
+            self._params |= {_storage(_local(p))[0] for p in self._model.parameters()}
+            if key in self._params:
+                return
         self._seen.add(key)
         self.bytes += nbytes
 
@@ -52,7 +67,10 @@ class ActivationProbe:
     def forward(self, model):
         self.bytes = 0
         self._seen.clear()
-        self._params = {_storage(p)[0] for p in model.parameters()}
+        self._params = {_storage(_local(p))[0] for p in model.parameters()}
+        # FSDP2 swaps each block's sharded parameters for all-gathered ones during its forward:
+        # those are parameters too, so look again whenever an unknown storage is saved
+        self._model = model if any(hasattr(p, "to_local") for p in model.parameters()) else None
         policy = getattr(model, "checkpoint_policy", None)
         if policy is not None:
             policy.on_segment_input = self._count
@@ -72,9 +90,8 @@ class ActivationProbe:
 
 def state_bytes(model, optimizer):
     """Bytes of parameters, gradients and optimizer state, as torch holds them now."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                if p.grad is not None)
+    params = sum(_nbytes(p) for p in model.parameters())
+    grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
     return params, grads, optimizer_state_bytes(optimizer)
 
 
@@ -85,7 +102,7 @@ def optimizer_state_bytes(optimizer):
     for state in inner.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                total += v.numel() * v.element_size()
+                total += _nbytes(v)
     return total
 
 
@@ -119,11 +136,14 @@ class PeakProbe:
 
 
 class CommCounter:
-    """Counts the all-reduces DDP issues. ``install(ddp_model)`` registers the hook."""
+    """Counts the all-reduces DDP issues and the bytes they carry. ``install(ddp_model)``
+    registers the hook. ``compress``: torch's fp16/bf16 compression hook to wrap instead of the
+    plain all-reduce (each element then travels as 2 bytes)."""
 
-    def __init__(self):
+    def __init__(self, compress=None):
         self.calls = 0
         self.bytes = 0
+        self.compress = compress
 
     def reset(self):
         self.calls = self.bytes = 0
@@ -132,6 +152,9 @@ class CommCounter:
     def _hook(state, bucket):
         buf = bucket.buffer()
         state.calls += 1
+        if state.compress is not None:
+            state.bytes += buf.numel() * 2
+            return state.compress(None, bucket)
         state.bytes += buf.numel() * buf.element_size()
         return default_hooks.allreduce_hook(None, bucket)  # None: the default process group
 

@@ -11,7 +11,7 @@ The loop a slide can show::
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -25,12 +25,35 @@ def autocast_for(precision, device):
     return torch.autocast(device_type=torch.device(device).type, dtype=PRECISION_DTYPES[precision])
 
 
+@contextmanager
+def _fsdp_no_sync(model):
+    """FSDP2's counterpart of DDP.no_sync(): no reduce-scatter, and keep the gathered
+    parameters between micro-steps (no reshard) since the next forward needs them again."""
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+
+
+def skip_sync(model):
+    """The context that skips gradient sync for a micro-step, or None if the model has none."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        return _fsdp_no_sync(model)
+    return None
+
+
 def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, precision="fp32",
-               device="cpu", scaler=None, activation_probe=None, inner=None, scale_loss=True):
+               device="cpu", scaler=None, activation_probe=None, inner=None, scale_loss=True,
+               scheduler=None):
     """Run ``accum_steps`` micro-batches and one optimizer step. Returns the mean loss (float).
 
-    ``model`` may be DDP-wrapped (then ``no_sync`` skips the all-reduce of all but the last
-    micro-batch) or a plain module. ``inner`` is the unwrapped module, for the activation probe.
+    ``model`` may be DDP-wrapped or FSDP2-sharded (then ``no_sync`` skips the gradient sync of
+    all but the last micro-batch) or a plain module. ``inner`` is the unwrapped module, for the activation probe.
     ``scale_loss=False`` reproduces the classic bug (gradients accum_steps times too large).
     """
     total = 0.0
@@ -39,8 +62,7 @@ def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, pr
         raise ValueError(f"got {len(batches)} micro-batches for accum_steps={accum_steps}")
     for k, (x, y) in enumerate(batches):
         last = k == accum_steps - 1
-        sync = nullcontext() if (last or not no_sync or not hasattr(model, "no_sync")) \
-            else model.no_sync()
+        sync = (skip_sync(model) if no_sync and not last else None) or nullcontext()
         with sync:
             probe = activation_probe.forward(inner or model) if activation_probe else nullcontext()
             with probe, autocast_for(precision, device):
@@ -54,6 +76,8 @@ def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, pr
         scaler.update()
     else:
         optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
     return total / accum_steps
 
 

@@ -7,57 +7,51 @@ launcher through ``ctx``.
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import saving, strategies
 from .config import TrainConfig
 from .launcher import launch
 from .models import SyntheticData, build_model
 from .policies import CheckpointPolicy
-from .probes import ActivationProbe, CommCounter, PeakProbe, StepTimer, state_bytes
+from .probes import ActivationProbe, PeakProbe, StepTimer, state_bytes
 from .step import train_step, zero_grad
 
 LIVE_FIELDS = ("checkpoint", "accum_steps")  # settings that may change mid-run (the lab)
 
 
-def make_optimizer(cfg, model):
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=cfg.lr)
+def _lr_lambda(warmup):
+    return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
 
 
-def wrap_ddp(cfg, model, ctx):
-    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-               static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,
-               gradient_as_bucket_view=cfg.gradient_as_bucket_view)
-
-
-def train_rank(ctx, cfg, live=False):
+def train_rank(ctx, cfg, live=False, resume_from=None):
     """Train ``cfg`` on this rank; log one record per optimizer step; rank 0 returns weights.
 
     live=True: settings sent from the kernel (``RunHandle.send_control``) are read on rank 0
     and broadcast (about every 0.1 s), so a change lands on every rank at the same step.
+    resume_from: a save_dir (its latest complete checkpoint) or a checkpoint folder.
     """
     model = build_model(cfg).to(ctx.device)
     CheckpointPolicy.from_config(cfg).apply(model)
-    ddp = wrap_ddp(cfg, model, ctx)
     probes = cfg.probes
-    comm = CommCounter().install(ddp) if "comm" in probes else None
-    optimizer = make_optimizer(cfg, ddp)
+    wrapped, optimizer, comm = strategies.wrap(cfg, model, ctx, count_comm="comm" in probes)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup_steps))
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
+    fsdp = cfg.strategy == "fsdp"
     data = SyntheticData(cfg)
     acts = ActivationProbe() if "activations" in probes else None
     peak = PeakProbe(ctx.device) if "peak" in probes else None
     timer = StepTimer(ctx.device)
-    accum, setting, consumed = cfg.accum_steps, cfg.checkpoint, 0
-    for step in range(cfg.steps):
+    accum, setting, consumed, first = cfg.accum_steps, cfg.checkpoint, 0, 0
+    if resume_from is not None:
+        path = saving.latest(resume_from) or resume_from
+        meta = saving.load(ctx, path, wrapped if fsdp else model, optimizer, scheduler, fsdp)
+        first, consumed = meta["step"] + 1, meta["consumed"]
+    for step in range(first, cfg.steps):
         sent = ctx.sync_controls(step) if live else {}
         changed = []  # what actually changes at this step, on every rank alike
         if "checkpoint" in sent and sent["checkpoint"] != setting:
@@ -79,14 +73,14 @@ def train_rank(ctx, cfg, live=False):
         # static_graph + no_sync() on the very first iteration trips an internal assert in
         # DDP's reducer (a known torch bug): the first step syncs every micro-batch instead
         skip_sync = cfg.no_sync and not (cfg.static_graph and step == 0)
-        with timer.time(), (peak.step(ddp, optimizer) if probe_peak else _null()):
-            loss = train_step(ddp, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
+        with timer.time(), (peak.step(model, optimizer) if probe_peak else _null()):
+            loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
                               precision=cfg.precision, device=ctx.device, scaler=scaler,
-                              activation_probe=acts, inner=model)
+                              activation_probe=acts, inner=model, scheduler=scheduler)
         record = dict(step=step, loss=loss, step_time_s=timer.seconds,
                       samples_per_s=ctx.world_size * cfg.micro_batch * accum / timer.seconds,
-                      accum_steps=accum, checkpoint=str(setting),
-                      changed=",".join(changed))
+                      accum_steps=accum, checkpoint=str(setting), changed=",".join(changed),
+                      lr=scheduler.get_last_lr()[0])
         params, grads, opt = state_bytes(model, optimizer)
         record.update(param_bytes=params, grad_bytes=grads, optimizer_bytes=opt)
         if acts:
@@ -96,10 +90,13 @@ def train_rank(ctx, cfg, live=False):
         if comm:
             record.update(allreduce_calls=comm.calls, allreduce_bytes=comm.bytes)
         zero_grad(optimizer)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            saving.save(ctx, cfg, step, consumed, wrapped if fsdp else model, optimizer,
+                        scheduler, cfg.save_dir, fsdp)
+            record["saved"] = 1
         ctx.log(**record)
-    if ctx.is_main:
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return None
+    weights = strategies.full_state_dict(cfg, wrapped, model)  # collective under FSDP
+    return weights if ctx.is_main else None
 
 
 class _null:
@@ -143,8 +140,13 @@ class TrainResult:
                 f"final_loss={s['final_loss']:.4f}, step_time_s={s['step_time_s']:.4f})")
 
 
-def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, **launch_kw):
-    """Train ``cfg`` on ``cfg.world_size`` ranks (spawned, or a warm ``pool``)."""
+def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, resume_from=None,
+          **launch_kw):
+    """Train ``cfg`` on ``cfg.world_size`` ranks (spawned, or a warm ``pool``).
+
+    resume_from: a save_dir (resumes from its latest complete checkpoint) or a checkpoint
+    folder; the run continues at the step after it, with the same data, RNG and optimizer.
+    """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
                         f"build one with ddpkit.TrainConfig(...)")
@@ -155,7 +157,11 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, *
     elif pool.world_size != cfg.world_size:
         raise ValueError(f"TrainConfig.world_size={cfg.world_size} but the pool has "
                          f"{pool.world_size} ranks; pass a matching pool or pool=None")
-    run = launch(train_rank, cfg, live=live, pool=pool, **kw)
+    if resume_from is not None and not (saving.latest(resume_from) or
+                                        os.path.exists(os.path.join(resume_from, "meta.json"))):
+        raise ValueError(f"resume_from={resume_from!r}: no complete checkpoint there (no "
+                         f"'latest' file nor meta.json); pass a save_dir a run wrote into")
+    run = launch(train_rank, cfg, live=live, pool=pool, resume_from=resume_from, **kw)
     if not block:
         return run
     return TrainResult(cfg, run.metrics, run.returns[0], run)

@@ -1,0 +1,60 @@
+"""How a model is spread over the ranks: ``"ddp"``, ``"ddp_zero1"`` (DDP + torch's
+ZeroRedundancyOptimizer: optimizer state sharded), ``"fsdp"`` (torch's FSDP2 ``fully_shard`` per
+block, then the root: parameters, gradients and optimizer state sharded).
+
+`wrap(cfg, model, ctx)` returns ``(wrapped, optimizer, comm_counter)``. Everything else in the
+engine treats the wrapped model alike; `step.train_step` skips gradient sync on accumulation
+micro-steps with DDP's ``no_sync()`` or FSDP2's ``set_requires_gradient_sync(False)``.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .probes import CommCounter
+
+STRATEGIES = ("ddp", "ddp_zero1", "fsdp")
+COMM_HOOKS = (None, "fp16", "bf16")
+_COMPRESS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def optimizer_class(cfg):
+    return torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
+
+
+def wrap(cfg, model, ctx, count_comm=True):
+    """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy."""
+    if cfg.strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model, optimizer_class(cfg)(model.parameters(), lr=cfg.lr), None
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+              static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,
+              gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+    comm = None
+    if count_comm or cfg.comm_hook:
+        comm = CommCounter(_COMPRESS.get(cfg.comm_hook)).install(ddp)
+    if cfg.strategy == "ddp_zero1" or cfg.optimizer == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=optimizer_class(cfg),
+                                            lr=cfg.lr)
+    else:
+        optimizer = optimizer_class(cfg)(ddp.parameters(), lr=cfg.lr)
+    return ddp, optimizer, comm if count_comm else None
+
+
+def full_state_dict(cfg, wrapped, model):
+    """Rank 0's complete weights on CPU, keys as in the plain model. Collective under FSDP."""
+    if cfg.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+    else:
+        sd = model.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}
