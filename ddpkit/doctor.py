@@ -308,13 +308,14 @@ def _findings(model, obs, segments, use_reentrant, ddp_kwargs):
         twice = {n: c for n, c in obs["acc"].items() if c > 1}
         if twice:
             mods = sorted({_owner(n) for n in twice})
-            calls = ", ".join(f"{m} called {obs['fwd'].get(m, 0)}x" for m in mods[:4])
+            calls = [f"{m} called {obs['fwd'][m]}x" for m in mods if obs["fwd"].get(m, 0) > 1]
+            how = ", ".join(calls[:4]) if calls else "one parameter shared by several modules"
             out.append(Finding(
                 "reentrant_shared_module", _where(mods),
-                f"{len(twice)} parameter tensor(s) had their gradient accumulated "
-                f"{max(twice.values())}x in one backward ({calls}): used in more than one "
-                f"reentrant checkpoint region, each its own backward pass. DDP raises 'Expected "
-                f"to mark a variable ready only once'", _REENTRANT_FIX))
+                f"the gradients of {_where(twice, 3)} were accumulated {max(twice.values())}x "
+                f"in one backward ({how}): used in more than one reentrant checkpoint region, or "
+                f"inside one and outside it, and each region is its own backward pass. DDP "
+                f"raises 'Expected to mark a variable ready only once'", _REENTRANT_FIX))
         if find_unused:
             hidden = {n for n, p in params if obs["acc"].get(n) and id(p) not in obs["reach"]}
             if hidden:
