@@ -70,3 +70,33 @@ def test_demo_writes_a_self_contained_report(tmp_path, capsys):
     assert "plotly" in text and "<script" in text and "cdn.plot.ly" not in text.split("<script")[1][:200]
     assert "| checkpoint |" in capsys.readouterr().out
     assert not list(tmp_path.glob(".tmp-*"))  # atomic write left no temp file
+
+
+def test_two_torchrun_nodes_on_loopback_give_the_same_losses(tmp_path):
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        out = tmp_path / f"node{node}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+               str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--rdzv-id", "ddpkit-test", "--local-addr", "127.0.0.1",
+               "-m", "ddpkit", "train", *ARGS,
+               "--json", str(out)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), [r[1][-1500:] for r in results]
+    written = [f for f in tmp_path.glob("node*.json")]
+    assert len(written) == 1  # only global rank 0 writes
+    records = json.loads(written[0].read_text())
+    cfg = ddpkit.TrainConfig(model="mlp", n_blocks=4, width=32, micro_batch=4, accum_steps=2,
+                             checkpoint=2, steps=3)
+    ref = ddpkit.train(cfg)
+    loss = lambda recs: [m["loss"] for m in recs if m["rank"] == 0]
+    assert loss(records) == pytest.approx(loss(ref.metrics), abs=1e-6)
