@@ -30,5 +30,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = ["Context", "Pool", "RankError", "RankStalled", "RunHandle", "RunResult", "TrainConfig",
-           "TrainResult", "Finding", "doctor", "estimate", "launch", "sweep", "train"]
+__all__ = ["Context", "Estimate", "Finding", "Pool", "RankError", "RankStalled", "RunHandle",
+           "RunResult", "TrainConfig", "TrainResult", "doctor", "estimate", "launch", "sweep",
+           "train"]

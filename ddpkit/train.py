@@ -115,6 +115,8 @@ class TrainResult:
     metrics: list
     state_dict: dict | None
     run: object = field(repr=False, default=None)
+    findings: list = field(default_factory=list)
+    """What `ddpkit.doctor` found in this config before launch (empty for a clean one)."""
 
     def per_rank(self, key, rank=0):
         return [m[key] for m in self.metrics if m["rank"] == rank]
@@ -141,11 +143,13 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, resume_from=None,
-          **launch_kw):
+          check=True, **launch_kw):
     """Train ``cfg`` on ``cfg.world_size`` ranks (spawned, or a warm ``pool``).
 
     resume_from: a save_dir (resumes from its latest complete checkpoint) or a checkpoint
     folder; the run continues at the step after it, with the same data, RNG and optimizer.
+    check: run `ddpkit.doctor` on the config first (one forward/backward on this process, about
+    10 ms); its findings are warned about and kept in ``TrainResult.findings``.
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
@@ -161,10 +165,24 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
                                         os.path.exists(os.path.join(resume_from, "meta.json"))):
         raise ValueError(f"resume_from={resume_from!r}: no complete checkpoint there (no "
                          f"'latest' file nor meta.json); pass a save_dir a run wrote into")
+    findings = check_config(cfg) if check else []
     run = launch(train_rank, cfg, live=live, pool=pool, resume_from=resume_from, **kw)
     if not block:
+        run.findings = findings
         return run
-    return TrainResult(cfg, run.metrics, run.returns[0], run)
+    return TrainResult(cfg, run.metrics, run.returns[0], run, findings)
+
+
+def check_config(cfg):
+    """`ddpkit.doctor` on the config's model; warns (once per finding) and returns the findings."""
+    import warnings
+
+    from .doctor import doctor
+
+    findings = doctor(cfg)
+    for f in findings:
+        warnings.warn(f"ddpkit.doctor: {f!r}", stacklevel=3)
+    return findings
 
 
 def recompute_flops_ratio(cfg):

@@ -34,7 +34,7 @@ class Lab:
 
     def __init__(self, cfg=None, display=True, max_hz=10.0):
         self.cfg = cfg or TrainConfig()
-        self.history, self.metrics = [], []
+        self.history, self.metrics, self.findings = [], [], []
         self._pool = self._handle = self._refresher = None
         self._syncing = False
         self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz)
@@ -211,13 +211,21 @@ class Lab:
             self._pool = Pool(cfg.world_size, cfg.backend, cfg.device)
         self.metrics, self._rank0_steps = [], 0
         self.banner.value, self.traceback.layout.display = "", "none"
+        from .train import check_config
+        self.findings = check_config(cfg)
+        if self.findings:
+            items = "".join(f"<li><b>{html.escape(f.pitfall)}</b> at {html.escape(f.where)}: "
+                            f"{html.escape(f.message)} <i>Fix: {html.escape(f.fix)}</i></li>"
+                            for f in self.findings)
+            self.banner.value = (f"<div style='background:#fff4d6;border-left:6px solid #d90;"
+                                 f"padding:6px'><b>ddpkit.doctor</b><ul>{items}</ul></div>")
         self.output.clear_output()
         self.plots.new_run(cfg.world_size, predict=lambda rec: activation_bytes(
             cfg, parse_setting(rec["checkpoint"])), label=f"run {len(self.history)}")
         self.progress.max, self.progress.value = cfg.steps, 0
         self._set_running(True)
         self._t0 = time.monotonic()
-        self._handle = train(cfg, pool=self._pool, block=False, live=True,
+        self._handle = train(cfg, pool=self._pool, block=False, live=True, check=False,
                              on_metric=self._on_metric, on_output=self._on_output)
         self._refresher = threading.Thread(target=self._follow, args=(cfg, self._handle),
                                            name="ddpkit-lab", daemon=True)

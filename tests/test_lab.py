@@ -127,3 +127,12 @@ def test_thin_keeps_the_ends_and_bounds_the_points():
     tx, ty = thin(xs, xs, 2000)
     assert len(tx) <= 2001 and tx[0] == 0 and tx[-1] == 10_000 and tx == ty
     assert thin(xs[:50], xs[:50], 2000) == (xs[:50], xs[:50])
+
+
+def test_the_lab_shows_doctor_findings_before_the_run():
+    cfg = ddpkit.TrainConfig(**{**CFG, "checkpoint": 2, "dropout": 0.1, "preserve_rng_state": False,
+                                "steps": 2})
+    with ddpkit.Lab(cfg, display=False) as lab, pytest.warns(UserWarning, match="dropout_rng"):
+        lab.run()
+        assert "ddpkit.doctor" in lab.banner.value and "dropout_rng" in lab.banner.value
+        assert lab.wait(timeout=120)["status"] == "ok"

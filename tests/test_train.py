@@ -171,3 +171,13 @@ def test_estimate_stays_the_function_after_its_module_is_imported():
     cfg = ddpkit.TrainConfig(**TINY)
     assert ddpkit.estimate(cfg) == ddpkit.estimate(cfg)
     assert ddpkit.train.__module__ == "ddpkit.train" and callable(ddpkit.train)
+
+
+def test_train_runs_doctor_first_and_keeps_its_findings(pool):
+    res = ddpkit.train(ddpkit.TrainConfig(**TINY), pool=pool)
+    assert res.findings == []  # the built-in models are clean
+    cfg = ddpkit.TrainConfig(**{**TINY, "checkpoint": 2, "use_reentrant": True, "dropout": 0.1,
+                                "preserve_rng_state": False})
+    with pytest.warns(UserWarning, match=r"ddpkit.doctor: \[dropout_rng\]"):
+        res = ddpkit.train(cfg, pool=pool)
+    assert "dropout_rng" in {f.pitfall for f in res.findings}
