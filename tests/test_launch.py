@@ -118,9 +118,9 @@ NOTEBOOK_CODE = textwrap.dedent("""
 
 
 def test_notebook_defined_function_and_class_run_on_every_rank():
-    # `python -` runs code as __main__ with no file, as a notebook kernel does; plain mp.spawn
-    # fails there with "Can't get attribute 'work' on <module '__main__'>".
-    out = subprocess.run([sys.executable, "-"], input=NOTEBOOK_CODE, text=True,
+    # `python -c` runs code as a __main__ with no file, as a notebook kernel does; plain
+    # mp.spawn fails there with "Can't get attribute 'work' on <module '__main__'>".
+    out = subprocess.run([sys.executable, "-c", NOTEBOOK_CODE], text=True,
                          capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr
     line = [l for l in out.stdout.splitlines() if l.startswith("RETURNS")][0]
