@@ -118,6 +118,14 @@ def _new_store(port, attempts=3):
     raise RuntimeError(f"no free rendezvous port after {attempts} attempts")
 
 
+def _dying(pid):
+    """Killed, but its threads not yet gone: waitpid still says alive, /proc already 'zombie'."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _end_processes(procs, settle_s=0.0, grace_s=2.0):
     """Let ranks exit by themselves for settle_s, then SIGTERM, then SIGKILL; reap every one.
 
@@ -204,7 +212,7 @@ class _Group:
         _LIVE.add(self)
 
     def alive(self):
-        return not self.closed and all(p.is_alive() for p in self.procs)
+        return not self.closed and all(p.is_alive() and not _dying(p.pid) for p in self.procs)
 
     def send(self, rank, msg):
         self.conns[rank].send(msg)
