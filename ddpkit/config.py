@@ -101,7 +101,10 @@ class TrainConfig:
                            ("accum_steps", "micro-batches per optimizer step"),
                            ("world_size", "ranks")):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int):
+                bad(name, f"must be an int ({what}), got {type(value).__name__}",
+                    f"pass e.g. {name}=2")
+            if value < 1:
                 bad(name, f"needs at least 1 ({what})", f"pass {name}=1 or more")
         if self.model == "gpt" and self.width % self.n_heads:
             bad("n_heads", f"must divide width={self.width}", "pick n_heads that divides width")

@@ -103,6 +103,11 @@ def estimate(cfg) -> Estimate:
     rank; ZeRO-1 (``ddp_zero1``) shards the optimizer: 8 Psi + 8 Psi / N; FSDP (ZeRO-3) shards
     everything: 16 Psi / N (FSDP pads each shard a little, so a rank may hold a few bytes more).
     """
+    from .config import TrainConfig
+
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"estimate() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
+                        f"build one with ddpkit.TrainConfig(...)")
     n = param_count(cfg)
     _, block, boundary = activation_parts(cfg)
     shards = cfg.world_size if cfg.strategy == "fsdp" else 1

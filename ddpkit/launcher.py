@@ -59,6 +59,9 @@ def resolve_devices(world_size, backend=None, device=None):
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"device={device!r}: pass 'cpu', 'cuda' or None")
     gpus = torch.cuda.device_count()  # does not initialise CUDA in the kernel
+    if device == "cuda" and gpus == 0 or backend == "nccl" and gpus == 0:
+        raise ValueError(f"{'backend=nccl' if backend == 'nccl' else 'device=cuda'}: this machine "
+                         f"has no visible CUDA GPU; pass backend=None, device='cpu' (gloo ranks)")
     if backend is None:
         backend = "nccl" if device != "cpu" and gpus >= world_size and gpus > 0 else "gloo"
     if device is None:
@@ -484,12 +487,27 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
         return pool.launch(fn, *args, block=block, on_metric=on_metric, on_output=on_output,
                            stall_timeout_s=stall_timeout_s, seed=seed, **kwargs)
     world_size = 2 if world_size is None else world_size
+    check_options(block, on_metric, on_output, port)
     backend, device = resolve_devices(world_size, backend, device)
     job = _make_job(fn, args, kwargs, seed, stall_timeout_s)
     group = _Group(world_size, backend, device, persistent=False, port=port)
     handle = RunHandle(group, job, on_metric=on_metric, on_output=on_output,
                        stall_timeout_s=stall_timeout_s, owns_group=True)
     return handle.wait() if block else handle
+
+
+def check_options(block=True, on_metric=None, on_output=None, port=None):
+    """The launcher's own keywords, checked before anything starts."""
+    if not isinstance(block, bool):
+        raise TypeError(f"block must be True or False, got {block!r}")
+    for name, cb in (("on_metric", on_metric), ("on_output", on_output)):
+        if cb is not None and not callable(cb):
+            raise TypeError(f"{name} must be a callable (e.g. a function of the record) or None, "
+                            f"got {type(cb).__name__}")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 1 <= port <= 65535):
+        raise ValueError(f"port={port!r}: pass a TCP port in 1..65535, or port=None and ddpkit "
+                         f"picks a free one")
 
 
 def _make_job(fn, args, kwargs, seed, stall_timeout_s):
@@ -511,6 +529,7 @@ class Pool:
     """
 
     def __init__(self, world_size=2, backend=None, device=None, port=None):
+        check_options(port=port)
         self.backend, self.device = resolve_devices(world_size, backend, device)
         self.world_size = world_size
         self._port = port
@@ -532,6 +551,7 @@ class Pool:
 
     def launch(self, fn, *args, block=True, on_metric=None, on_output=None,
                stall_timeout_s=300.0, seed=0, **kwargs):
+        check_options(block, on_metric, on_output)
         job = _make_job(fn, args, kwargs, seed, stall_timeout_s)
         with self._lock:
             if self.busy:

@@ -33,6 +33,12 @@ class Lab:
     ``lab.stop()`` do what the buttons do; ``lab.history`` has one row per finished run."""
 
     def __init__(self, cfg=None, display=True, max_hz=10.0):
+        if cfg is not None and not isinstance(cfg, TrainConfig):
+            raise TypeError(f"Lab() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
+                            f"build one with ddpkit.TrainConfig(...)")
+        if not max_hz > 0:
+            raise ValueError(f"Lab(max_hz={max_hz!r}): figure updates per second must be > 0; "
+                             f"pass e.g. max_hz=10")
         self.cfg = cfg or TrainConfig()
         self.history, self.metrics, self.findings = [], [], []
         self._pool = self._handle = self._refresher = None

@@ -1,0 +1,42 @@
+"""Each notebook runs in a fresh kernel under nbmake; one that leaves a process behind fails.
+
+After a notebook's kernel has shut down, no process that was started while it ran may still be
+alive (ranks notice a dead kernel within a second and exit: launcher docs)."""
+import time
+
+import psutil
+import pytest
+
+
+def _spawned():
+    out = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "multiprocessing.spawn" in cmd and "resource_tracker" not in cmd:
+            out.add(p.info["pid"])
+    return out
+
+
+def pytest_runtest_setup(item):
+    item.stash[_KEY] = _spawned()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    before = item.stash.get(_KEY, set())
+    deadline = time.monotonic() + 5
+    while True:
+        left = []
+        for pid in _spawned() - before:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"{item.name} left rank processes behind: {left}")
+        time.sleep(0.2)
+
+
+_KEY = pytest.StashKey[set]()
