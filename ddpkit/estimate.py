@@ -101,7 +101,8 @@ def estimate(cfg) -> Estimate:
     Model states follow the ZeRO paper with this kit's dtypes (fp32 weights, fp32 gradients,
     two fp32 Adam moments: 4 + 4 + 8 = 16 bytes per parameter Psi): DDP keeps all 16 Psi on every
     rank; ZeRO-1 (``ddp_zero1``) shards the optimizer: 8 Psi + 8 Psi / N; FSDP (ZeRO-3) shards
-    everything: 16 Psi / N (FSDP pads each shard a little, so a rank may hold a few bytes more).
+    everything: 16 Psi / N (FSDP2 chunks each parameter along dim 0, so shards can be uneven by a
+    few bytes: a 1-row weight lives whole on rank 0; they add up to exactly one copy).
     """
     from .config import TrainConfig
 
