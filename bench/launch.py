@@ -84,13 +84,16 @@ def main(argv=None):
             times["torchrun"].append(torchrun())
     med = {k: summary(v)[0] for k, v in times.items()}
     rows = [(k, summary(v)[1], f"{med[k] / med['plain mp.spawn']:.2f}x") for k, v in times.items()]
-    print(f"Launch to first record, 2 ranks, gloo. Machine: {machine()}\n")
-    print(table(["method", "median (spread)", "vs mp.spawn"], rows))
     cold_ratio = med["ddpkit cold launch"] / med["plain mp.spawn"]
     speedup = med["ddpkit cold launch"] / med["ddpkit warm pool"]
-    print(f"\ncold / mp.spawn = {cold_ratio:.2f} (target <= 1.2): {'met' if cold_ratio <= 1.2 else 'MISSED'}")
-    print(f"cold / warm = {speedup:.0f}x (target >= 10x): {'met' if speedup >= 10 else 'MISSED'}")
-    return times
+    text = (f"### Launch: call to first record (`python -m bench.launch --repeat {args.repeat}`)\n\n"
+            f"2 ranks, gloo. Machine: {machine()}\n\n"
+            + table(["method", "median (spread)", "vs mp.spawn"], rows)
+            + f"\n\ncold / mp.spawn = {cold_ratio:.2f} (target <= 1.2): "
+              f"{'met' if cold_ratio <= 1.2 else 'MISSED'}; cold / warm = {speedup:.0f}x "
+              f"(target >= 10x): {'met' if speedup >= 10 else 'MISSED'}\n")
+    print(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -63,13 +63,17 @@ def main(argv=None):
         q = statistics.quantiles(vals, n=4)
         rows.append((name, f"{1000 * statistics.median(vals):.3f}", f"{1000 * q[0]:.3f}-{1000 * q[2]:.3f}",
                      f"{statistics.median(vals) / base:.3f}x", len(vals)))
-    print(f"Step time of rank 0, mlp 4 blocks width 64, micro_batch 32, 2 ranks gloo, "
-          f"{args.rounds} rounds x {args.steps} steps, in an ipykernel. Machine: {machine()}\n")
-    print(table(["variant", "median ms", "IQR ms", "vs off", "steps"], rows))
     ratio = statistics.median(res["lab plots on"]) / statistics.median(res["live controls, plots off"])
-    print(f"\nfigure updates: {max(res['flushes_per_s']):.1f}/s at most (bound {args.max_hz:g}/s); "
-          f"lab plots on / live controls alone = {ratio:.3f} (target <= 1.02): {'met' if ratio <= 1.02 else 'MISSED'}")
-
+    text = (f"### Live plotting (`python -m bench.live_plots --rounds {args.rounds} --steps "
+            f"{args.steps}`)\n\n"
+            f"Step time of rank 0, mlp 4 blocks width 64, micro_batch 32, 2 ranks gloo, "
+            f"{args.rounds} rounds x {args.steps} steps, inside an ipykernel. Machine: {machine()}\n\n"
+            + table(["variant", "median ms", "IQR ms", "vs off", "steps"], rows)
+            + f"\n\nfigure updates: {max(res['flushes_per_s']):.1f}/s at most (bound "
+              f"{args.max_hz:g}/s); lab plots on / live controls alone = {ratio:.3f} (target "
+              f"<= 1.02): {'met' if ratio <= 1.02 else 'MISSED'}\n")
+    print(text)
+    return text
 
 if __name__ == "__main__":
     main()
