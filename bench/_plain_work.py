@@ -1,7 +1,6 @@
 """The same tiny job for the baselines: plain mp.spawn and torchrun. Reports when its first record
 would be ready (process group up, one all-reduce done) as a wall-clock timestamp."""
 import os
-import sys
 import time
 
 import torch

@@ -75,5 +75,6 @@ def main(argv=None):
     print(text)
     return text
 
+
 if __name__ == "__main__":
     main()

@@ -95,5 +95,6 @@ def main(argv=None):
     print(text)
     return text
 
+
 if __name__ == "__main__":
     main()

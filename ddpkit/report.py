@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import html
 import os
-import tempfile
 import time
 
 from .config import TrainConfig
 from .estimate import estimate
+from .saving import atomic_write_bytes
 
 DEMO = dict(model="gpt", n_blocks=8, width=64, seq_len=32, world_size=2, micro_batch=4,
             accum_steps=2, optimizer="adamw", lr=3e-3)
@@ -55,25 +55,8 @@ def write_html(table, cfg, path):
             f"{table._repr_html_()}" + "".join(parts))
     doc = f"<!doctype html><html><head><meta charset='utf-8'><title>ddpkit demo</title></head>" \
           f"<body>{body}</body></html>"
-    atomic_write_text(path, doc)
+    atomic_write_bytes(path, doc.encode("utf-8"))
     return path
-
-
-def atomic_write_text(path, text):
-    """Write to a temp file beside ``path``, fsync, rename: a reader never sees half a file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def demo(out="ddpkit-report.html", steps=4, segments=SEGMENTS, **overrides):

@@ -28,6 +28,8 @@ LATEST = "latest"
 
 
 def atomic_write_bytes(path, data: bytes):
+    """Temp file beside ``path``, fsync, rename (then fsync the folder): a reader sees the old
+    file or the new one, never half of one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.name)
     try:
@@ -35,6 +37,7 @@ def atomic_write_bytes(path, data: bytes):
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the file is for the user to read
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

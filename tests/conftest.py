@@ -1,31 +1,9 @@
-import os
-import socket
 import time
 
 import psutil
 import pytest
 
-
-def rank_children():
-    """Child processes of this test process, leaving out multiprocessing's one resource tracker
-    (started once per interpreter by the first spawn, not per run)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def port_is_free(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+from procs import rank_children
 
 
 @pytest.fixture(autouse=True)

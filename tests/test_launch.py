@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from conftest import port_is_free, rank_children
+from procs import port_is_free, rank_children
 
 
 # --- work functions (module level here; notebook-defined ones are tested in a subprocess)

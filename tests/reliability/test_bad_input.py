@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import ddpkit
-from conftest import rank_children
+from procs import rank_children
 
 CFG = ddpkit.TrainConfig(model="mlp", n_blocks=4, width=32, steps=2)
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from conftest import port_is_free, rank_children
+from procs import port_is_free, rank_children
 
 
 def steady(ctx, steps=2000):
