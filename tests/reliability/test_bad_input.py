@@ -74,6 +74,12 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def busy_port():
+    yield PORT
+    BUSY.close()
+
+
 @pytest.mark.parametrize("entry, call, exc, pattern", CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_input_is_refused_with_the_field_and_the_fix(entry, call, exc, pattern):
