@@ -9,6 +9,11 @@
   after ``reset_peak_memory_stats``. CPU: the bytes in tensors live when the step starts
   (parameters, gradients, optimizer state) plus the highest rise during the step, summed from
   the CPU profiler's raw allocator events in time order (RSS is not used: glibc makes it noisy).
+  Two blind spots of the CPU reading, both from the profiler seeing only its own window: a block
+  allocated before the step and freed during it has no free event (torch warns "Memory block of
+  unknown size..."), so such a step can read high by that block (seen: one gradient bucket, at
+  the step where DDP rebuilds its buckets); and buffers that live across steps without being
+  parameters, gradients or optimizer state (DDP's gradient buckets) are not in the base.
 * `CommCounter`: a DDP communication hook that wraps the default all-reduce and counts calls and
   bytes.
 * `count_flops`: FLOPs of a callable via ``FlopCounterMode``: noise-free, unlike a clock.
