@@ -17,13 +17,23 @@ from .config import TrainConfig
 
 
 def _checkpoint_arg(text):
+    """none | S (segments) | full | a comma list of 0/1, one per block ("1,0,1,0"; "1," for one)."""
     if text.lower() in ("none", "off"):
         return None
     if text == "full":
         return "full"
-    if "," in text or set(text) <= {"0", "1"} and len(text) > 1:
-        return [t.strip() in ("1", "true", "True") for t in text.split(",")]
+    if "," in text:
+        return [t.strip() in ("1", "true", "True") for t in text.split(",") if t.strip()]
     return int(text)
+
+
+def _measure_arg(text):
+    """true | false | a comma list of probe names (activations,peak,comm)."""
+    if text.lower() in ("true", "1", "all"):
+        return True
+    if text.lower() in ("false", "0", "none"):
+        return False
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def _config_parser(parser):
@@ -35,9 +45,12 @@ def _config_parser(parser):
         if f.name == "checkpoint":
             parser.add_argument(flag, type=_checkpoint_arg, default=None,
                                 help="none | S (segments) | full | 1,0,1,0 (one per block)")
+        elif f.name == "measure":
+            parser.add_argument(flag, type=_measure_arg, default=True,
+                                help="true | false | activations,peak,comm")
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif f.name in ("backend", "device"):
+        elif default is None:  # backend, device, comm_hook, save_dir: optional strings
             parser.add_argument(flag, default=None)
         else:
             parser.add_argument(flag, type=type(default), default=default)

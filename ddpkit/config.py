@@ -165,10 +165,16 @@ class TrainConfig:
                          f"or a list of {n} booleans")
 
     def _check_devices(self):
+        import os
+
         import torch
         from .launcher import resolve_devices
 
-        backend, device = resolve_devices(self.world_size, self.backend, self.device)
+        # under torchrun the world spans machines: this machine runs only LOCAL_WORLD_SIZE ranks
+        here = self.world_size
+        if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+            here = min(here, int(os.environ["LOCAL_WORLD_SIZE"]))
+        backend, device = resolve_devices(here, self.backend, self.device)
         if self.precision == "fp16" and device != "cuda":
             raise ValueError("TrainConfig.precision='fp16' needs CUDA (GradScaler on CPU is a "
                              "no-op); on CPU pass precision='bf16' or 'fp32'")
@@ -204,10 +210,13 @@ class TrainConfig:
             if name in ("world_size", "backend", "device") or value == getattr(base, name):
                 continue
             flag = "--" + name.replace("_", "-")
-            if isinstance(value, bool):
+            if name == "measure":
+                value = value if isinstance(value, bool) else ",".join(value)
+                args += [flag, str(value).lower()]
+            elif isinstance(value, bool):
                 args.append(flag if value else "--no-" + name.replace("_", "-"))
-            elif isinstance(value, list):
-                args += [flag, ",".join("1" if b else "0" for b in value)]
+            elif isinstance(value, list):  # trailing comma: a list even of one block
+                args += [flag, ",".join("1" if b else "0" for b in value) + ","]
             else:
                 args += [flag, str(value)]
         return args

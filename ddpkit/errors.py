@@ -27,13 +27,19 @@ class RankError(RuntimeError):
 class RankStalled(RuntimeError):
     """One or more ranks sent nothing for ``timeout_s`` seconds; the run was ended."""
 
-    def __init__(self, ranks, last_steps, timeout_s):
+    def __init__(self, ranks, last_steps, timeout_s, starting=False):
         self.ranks, self.last_steps, self.timeout_s = list(ranks), dict(last_steps), timeout_s
+        self.starting = starting
         where = ", ".join(f"rank {r} (last step {last_steps.get(r)})" for r in self.ranks)
+        if starting:
+            super().__init__(
+                f"{where} did not start within {timeout_s}s (importing, or joining the process "
+                f"group); every rank was ended. Check the rank output for a hang at start-up.")
+            return
         super().__init__(
             f"no progress for {timeout_s}s from {where}; every rank was ended. A collective that "
             f"never completes (one rank waiting for a peer that skipped it, e.g. uneven inputs) "
             f"looks like this. Raise stall_timeout_s if a step legitimately takes that long.")
 
     def __reduce__(self):
-        return (RankStalled, (self.ranks, self.last_steps, self.timeout_s))
+        return (RankStalled, (self.ranks, self.last_steps, self.timeout_s, self.starting))

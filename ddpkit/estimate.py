@@ -15,7 +15,9 @@ tensors each op saves (fp32):
   out (the last segment of an int setting is never checkpointed).
 
 Under bf16 autocast the matmul inputs are saved as bf16 copies: the prediction is then rougher
-(it is tested for fp32).
+(it is tested for fp32). Dropout masks are not counted: the prediction is for ``dropout=0``.
+ZeRO-1's optimizer bytes are the mean per rank: ZeroRedundancyOptimizer assigns whole
+parameters greedily, so the heaviest rank can hold more.
 """
 from __future__ import annotations
 

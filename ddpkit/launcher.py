@@ -295,8 +295,7 @@ class RunHandle:
         self._t0 = time.monotonic()
         self._first_record = None
         self._callback_error = None
-        for r in range(group.world_size):
-            group.send(r, ("job", job))
+        self._job = job
         self._thread = threading.Thread(target=self._drain, name="ddpkit-drain", daemon=True)
         self._thread.start()
 
@@ -324,9 +323,11 @@ class RunHandle:
         return self.result
 
     def stop(self):
-        """End every rank now (SIGTERM, then SIGKILL) and wait until they are reaped."""
+        """End every rank now (SIGTERM, then SIGKILL) and wait until they are reaped.
+        Called from an ``on_metric`` callback (the drain thread) it only asks."""
         self._stop.set()
-        self._thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def send_control(self, **settings):
         """Hand settings to rank 0; `Context.sync_controls` delivers them to all ranks together."""
@@ -359,7 +360,18 @@ class RunHandle:
                 first_record_s=self._first_record, stopped=stopped, port=self._group.port)
             self._done.set()
 
+    def _send_jobs(self):
+        """From the drain thread: a big job blocks until each rank has joined the group, and a
+        rank that failed at start-up closes its pipe (its own error is read from it below)."""
+        for r in range(self.world_size):
+            try:
+                self._group.send(r, ("job", self._job))
+            except OSError:
+                pass
+        self._job = None
+
     def _loop(self):
+        self._send_jobs()
         g, n = self._group, self.world_size
         by_conn = {c: r for r, c in enumerate(g.conns)}
         open_conns = set(g.conns)
@@ -370,7 +382,9 @@ class RunHandle:
         while len(returned) < n:
             if self._stop.is_set():
                 return True
-            ready = _wait_ready(list(open_conns) + [p.sentinel for p in g.procs], timeout=0.05)
+            running = [p.sentinel for r, p in enumerate(g.procs)
+                       if r not in returned and r not in errors]  # an exited rank's is always ready
+            ready = _wait_ready(list(open_conns) + running, timeout=0.05)
             now = time.monotonic()
             for obj in ready:
                 if obj not in by_conn:
@@ -418,8 +432,10 @@ class RunHandle:
                 # peers silent in the same collective cross the line a moment later: let them
                 stall_seen = stall_seen or now
                 if now - stall_seen >= min(1.0, 0.25 * (self._stall_s or 1.0)):
+                    starting = len(started_at) < n
                     self.error = RankStalled(stalled, {r: last_step.get(r) for r in stalled},
-                                             self._stall_s if started_at else self._start_s)
+                                             self._start_s if starting else self._stall_s,
+                                             starting=starting)
                     return False
         return False
 
@@ -490,7 +506,8 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
     check_options(block, on_metric, on_output, port)
     backend, device = resolve_devices(world_size, backend, device)
     job = _make_job(fn, args, kwargs, seed, stall_timeout_s)
-    group = _Group(world_size, backend, device, persistent=False, port=port)
+    group = _Group(world_size, backend, device, persistent=False, port=port,
+                   pg_timeout_s=_collective_timeout(stall_timeout_s))
     handle = RunHandle(group, job, on_metric=on_metric, on_output=on_output,
                        stall_timeout_s=stall_timeout_s, owns_group=True)
     return handle.wait() if block else handle
@@ -508,6 +525,11 @@ def check_options(block=True, on_metric=None, on_output=None, port=None):
                              or not 1 <= port <= 65535):
         raise ValueError(f"port={port!r}: pass a TCP port in 1..65535, or port=None and ddpkit "
                          f"picks a free one")
+
+
+def _collective_timeout(stall_timeout_s):
+    """gloo/NCCL's own collective timeout: above the watchdog's, so the watchdog speaks first."""
+    return max(120.0, 2 * stall_timeout_s) if stall_timeout_s else 1800.0
 
 
 def _make_job(fn, args, kwargs, seed, stall_timeout_s):
@@ -542,8 +564,10 @@ class Pool:
         if self._group is None or not self._group.alive():
             if self._group is not None:
                 self._group.close()
+            # a pool serves jobs with any stall_timeout_s: torch's own collective timeout stays
+            # well above the default watchdog's (300 s)
             self._group = _Group(self.world_size, self.backend, self.device, persistent=True,
-                                 port=self._port)
+                                 port=self._port, pg_timeout_s=_collective_timeout(300.0))
 
     @property
     def busy(self):
@@ -571,7 +595,10 @@ class Pool:
 
     @property
     def pids(self):
-        return [p.pid for p in self._group.procs] if self._group else []
+        """The pool's rank processes now (empty while it has none)."""
+        if self._group is None or self._group.closed:
+            return []
+        return [p.pid for p in self._group.procs]
 
     def __enter__(self):
         return self

@@ -215,7 +215,10 @@ class _OutputForwarder:
     def _pump(self, read_fd):
         with os.fdopen(read_fd, "rb") as pipe:
             for raw in pipe:
-                if raw == self._MARK:
+                if raw.endswith(self._MARK):  # after a partial line (print(..., end=""))
+                    head = raw[:-len(self._MARK)]
+                    if head:
+                        self.channel.send("print", head.decode("utf-8", "replace"))
                     self._synced.set()
                 elif not any(n in raw for n in self._NOISE):
                     self.channel.send("print", raw.decode("utf-8", "replace").rstrip("\n"))
@@ -289,6 +292,8 @@ def rank_main(rank, world_size, conn, spec):
         channel.send("ready")
         while True:
             msg = conn.recv()
+            if msg[0] == "control":
+                continue  # a setting sent too late for the job it was meant for
             if msg[0] != "job":
                 break  # "close": the pool is shutting down
             ok = _run_job(ctx, channel, output, msg[1])

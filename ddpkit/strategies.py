@@ -26,11 +26,15 @@ def optimizer_class(cfg):
 def wrap(cfg, model, ctx, count_comm=True):
     """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy."""
     if cfg.strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # an explicit mesh on the ranks' own device: FSDP's default mesh takes the machine's
+        # accelerator, which is wrong for CPU ranks on a machine that has a GPU
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model, optimizer_class(cfg)(model.parameters(), lr=cfg.lr), None
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
               static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,
@@ -57,4 +61,6 @@ def full_state_dict(cfg, wrapped, model):
                                                                     cpu_offload=True))
     else:
         sd = model.state_dict()
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return None  # only rank 0 returns weights: no CPU copy elsewhere
     return {k: v.detach().cpu().clone() for k, v in sd.items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import statistics
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +74,7 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         # static_graph + no_sync() on the very first iteration trips an internal assert in
         # DDP's reducer (a known torch bug): the first step syncs every micro-batch instead
         skip_sync = cfg.no_sync and not (cfg.static_graph and step == 0)
-        with timer.time(), (peak.step(model, optimizer) if probe_peak else _null()):
+        with timer.time(), (peak.step(model, optimizer) if probe_peak else nullcontext()):
             loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
                               precision=cfg.precision, device=ctx.device, scaler=scaler,
                               activation_probe=acts, inner=model, scheduler=scheduler)
@@ -97,14 +98,6 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         ctx.log(**record)
     weights = strategies.full_state_dict(cfg, wrapped, model)  # collective under FSDP
     return weights if ctx.is_main else None
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @dataclass
@@ -161,6 +154,13 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
     elif pool.world_size != cfg.world_size:
         raise ValueError(f"TrainConfig.world_size={cfg.world_size} but the pool has "
                          f"{pool.world_size} ranks; pass a matching pool or pool=None")
+    else:
+        from .launcher import resolve_devices
+
+        backend, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
+        if (backend, device) != (pool.backend, pool.device):
+            raise ValueError(f"TrainConfig asks for {backend} on {device}, the pool runs "
+                             f"{pool.backend} on {pool.device}; pass a matching pool or pool=None")
     if resume_from is not None and not (saving.latest(resume_from) or
                                         os.path.exists(os.path.join(resume_from, "meta.json"))):
         raise ValueError(f"resume_from={resume_from!r}: no complete checkpoint there (no "
@@ -179,7 +179,11 @@ def check_config(cfg):
 
     from .doctor import doctor
 
-    findings = doctor(cfg)
+    # the hazards are structural: a micro-batch of 2 (short sequences) finds them as well, and
+    # the kernel's RNG is left as it was (building the model seeds it)
+    small = cfg.replace(micro_batch=min(cfg.micro_batch, 2), seq_len=min(cfg.seq_len, 16))
+    with torch.random.fork_rng(devices=[]):
+        findings = doctor(small)
     for f in findings:
         warnings.warn(f"ddpkit.doctor: {f!r}", stacklevel=3)
     return findings
@@ -205,7 +209,7 @@ def sweep(cfg: TrainConfig, pool=None, **grid):
     """One run per combination of the grid's values, e.g.
     ``sweep(cfg, checkpoint=[None, 2, 4], accum_steps=[1, 2])``. Returns a `Table`."""
     from .estimate import estimate
-    from .launcher import Pool
+    from .launcher import Pool, resolve_devices
 
     for name, values in grid.items():
         if name not in cfg.to_dict():
@@ -214,12 +218,17 @@ def sweep(cfg: TrainConfig, pool=None, **grid):
             raise ValueError(f"sweep: {name}= needs a non-empty list of values, got {values!r}")
     combos = [dict(zip(grid, vals)) for vals in itertools.product(*grid.values())]
     configs = [cfg.replace(**c) for c in combos]  # all checked before anything runs
-    own = pool is None
-    pool = pool or Pool(cfg.world_size, cfg.backend, cfg.device)
+    pools = {}  # one warm pool per (world size, backend, device) the grid asks for
+    if pool is not None:
+        pools[(pool.world_size, pool.backend, pool.device)] = pool
+    given = set(pools.values())
     rows = []
     try:
         for combo, c in zip(combos, configs):
-            res = train(c, pool=pool)
+            key = (c.world_size, *resolve_devices(c.world_size, c.backend, c.device))
+            if key not in pools:
+                pools[key] = Pool(*key)
+            res = train(c, pool=pools[key])
             s = res.summary()
             est = estimate(c)
             rows.append({**{k: _label(v) for k, v in combo.items()},
@@ -232,8 +241,9 @@ def sweep(cfg: TrainConfig, pool=None, **grid):
                          "recompute_flops_ratio": round(recompute_flops_ratio(c), 4),
                          "_result": res})
     finally:
-        if own:
-            pool.close()
+        for p in pools.values():
+            if p not in given:
+                p.close()
     return Table(rows)
 
 

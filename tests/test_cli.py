@@ -2,6 +2,7 @@
 joins torchrun's ranks instead, with the same losses; `ddpkit demo` writes its report."""
 import json
 import socket
+import time
 import subprocess
 import sys
 
@@ -79,11 +80,12 @@ def test_two_torchrun_nodes_on_loopback_give_the_same_losses(tmp_path):
         out = tmp_path / f"node{node}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{port}", "--rdzv-id", "ddpkit-test", "--local-addr", "127.0.0.1",
+               f"127.0.0.1:{port}", "--rdzv-id", f"ddpkit-{port}", "--local-addr", "127.0.0.1",
                "-m", "ddpkit", "train", *ARGS,
                "--json", str(out)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
+        time.sleep(1.0)  # node 0 first: it hosts the rendezvous store on the endpoint
     try:
         results = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -100,3 +102,26 @@ def test_two_torchrun_nodes_on_loopback_give_the_same_losses(tmp_path):
     ref = ddpkit.train(cfg)
     loss = lambda recs: [m["loss"] for m in recs if m["rank"] == 0]
     assert loss(records) == pytest.approx(loss(ref.metrics), abs=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [
+    ddpkit.TrainConfig(comm_hook="fp16", save_every=2, save_dir="ck", measure=["activations"],
+                       checkpoint=[True, False, True, False]),
+    ddpkit.TrainConfig(n_blocks=16, checkpoint=10),
+    ddpkit.TrainConfig(n_blocks=1, checkpoint=[True]),
+    ddpkit.TrainConfig(measure=False, use_reentrant=True, strategy="fsdp", optimizer="adamw"),
+])
+def test_to_cli_parses_back_to_the_same_config(cfg):
+    import argparse
+    from ddpkit.cli import _config_from, _config_parser
+    args = _config_parser(argparse.ArgumentParser()).parse_args(cfg.to_cli())
+    assert _config_from(args) == cfg
+
+
+def test_under_torchrun_devices_are_checked_against_this_machine_only(monkeypatch):
+    # a 4-node job with 2 ranks here: world_size 8 must not be refused for lack of 8 local ranks
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    cfg = ddpkit.TrainConfig(world_size=8, backend="nccl", device="cuda")
+    assert cfg.world_size == 8

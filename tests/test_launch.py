@@ -343,3 +343,54 @@ def test_determinism_flags_are_carried_into_ranks():
         assert ddpkit.launch(deterministic_flag, world_size=1).returns == [True]
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def unterminated_print(ctx):
+    print(f"progress {ctx.rank}", end="")  # no newline: the sync marker must not glue onto it
+    return ctx.rank
+
+
+def test_a_partial_last_line_still_arrives_before_the_return():
+    res = ddpkit.launch(unterminated_print, world_size=2)
+    assert sorted(res.prints) == [(0, "progress 0"), (1, "progress 1")]
+    assert res.wall_s < 10
+
+
+def late_rank(ctx):
+    if ctx.rank == 1:
+        time.sleep(3)
+    return ctx.rank
+
+
+def test_drain_thread_does_not_spin_while_a_rank_finishes_late():
+    me = psutil.Process()
+    cpu0 = sum(me.cpu_times()[:2])
+    ddpkit.launch(late_rank, world_size=2)
+    # rank 0 exits at once; waiting 3 s for rank 1 must not burn the kernel's core
+    assert sum(me.cpu_times()[:2]) - cpu0 < 1.5
+
+
+def test_a_late_control_message_does_not_kill_a_pool_rank():
+    with ddpkit.Pool(world_size=2) as pool:
+        pids = pool.pids
+        h = pool.launch(pid_work, block=False)
+        h.send_control(checkpoint=2)  # the job never reads controls
+        h.wait()
+        assert pool.launch(pid_work).returns == pids  # same ranks: none died
+
+
+def stop_from_callback_work(ctx):
+    for i in range(2000):
+        ctx.log(step=i)
+        time.sleep(0.005)
+
+
+def test_stop_from_inside_on_metric_ends_the_run():
+    holder = {}
+    def on_metric(rec):
+        if rec["step"] == 5:
+            holder["h"].stop()
+    holder["h"] = h = ddpkit.launch(stop_from_callback_work, world_size=2, block=False,
+                                    on_metric=on_metric)
+    res = h.wait(timeout=60)
+    assert res.stopped and len(res.metrics) < 400

@@ -186,3 +186,18 @@ def test_train_runs_doctor_first_and_keeps_its_findings(pool):
     with pytest.warns(UserWarning, match=r"ddpkit.doctor: \[dropout_rng\]"):
         res = ddpkit.train(cfg, pool=pool)
     assert "dropout_rng" in {f.pitfall for f in res.findings}
+
+
+def test_doctor_leaves_the_kernel_rng_alone():
+    torch.manual_seed(1234)
+    expected = torch.rand(1)
+    torch.manual_seed(1234)
+    from ddpkit.train import check_config
+    check_config(ddpkit.TrainConfig(**TINY))
+    assert torch.rand(1) == expected
+
+
+def test_sweep_over_world_sizes_uses_a_pool_per_size():
+    table = ddpkit.sweep(ddpkit.TrainConfig(**{**TINY, "steps": 1}), world_size=[1, 2])
+    assert [r["world_size"] for r in table] == [1, 2]
+    assert [r["_result"].run.world_size for r in table] == [1, 2]
