@@ -70,7 +70,7 @@ def under_torchrun():
 def _train_under_torchrun(args):
     import torch.distributed as dist
 
-    from .rank import Context
+    from .rank import Context, apply_job_state, capture_job_state
     from .train import train_rank
 
     world = int(os.environ["WORLD_SIZE"])
@@ -82,13 +82,19 @@ def _train_under_torchrun(args):
         import torch
         torch.cuda.set_device(ctx.device)
     dist.init_process_group(ctx.backend)
+    apply_job_state(cfg.seed, capture_job_state())  # seeded as a spawned rank would be
     try:
         train_rank(ctx, cfg)
+        if args.json and ctx.is_main:
+            with open(args.json, "w") as fh:
+                json.dump(ctx.records, fh)
     finally:
         dist.destroy_process_group()
-    if args.json and ctx.is_main:
-        with open(args.json, "w") as fh:
-            json.dump(ctx.records, fh)
+    # os._exit after a good run: gloo's teardown can abort the interpreter at exit (SIGABRT in
+    # 2-3 runs of 20 here), which torchrun would report as a failed rank
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train(args):
