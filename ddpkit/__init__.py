@@ -13,20 +13,15 @@ from .train import TrainResult, sweep, train
 
 __version__ = "0.1.0"
 
-_LAZY = {"Lab": ".widgets", "LivePlots": ".plots"}
-
-
-_LAZY_MODULES = ("pitfalls",)  # the pitfall lab: loaded on first use
+# loaded on first use: name -> module (the attribute of the same name, or the module itself)
+_LAZY = {"Lab": ".widgets", "LivePlots": ".plots", "pitfalls": ".pitfalls"}
 
 
 def __getattr__(name):
-    if name in _LAZY_MODULES:
-        import importlib
-        return importlib.import_module("." + name, __name__)
     if name in _LAZY:
         import importlib
         module = importlib.import_module(_LAZY[name], __name__)
-        return getattr(module, name)
+        return module if module.__name__.endswith("." + name) else getattr(module, name)
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 

@@ -100,13 +100,13 @@ def _train_under_torchrun(args):
 def _train(args):
     if under_torchrun():
         return _train_under_torchrun(args)
+    from .rank import format_record
     from .train import train
 
     res = train(_config_from(args))
     for m in res.metrics:
         if m["rank"] == 0:
-            print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in m.items()))
+            print(format_record(m))
     print(res)
     if args.json:
         with open(args.json, "w") as fh:

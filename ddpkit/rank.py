@@ -39,6 +39,12 @@ def _plain(value):
     return value
 
 
+def format_record(record):
+    """One record as a log line: ``step=3 loss=0.512 ...``."""
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in record.items())
+
+
 class _Channel:
     """One rank's pipe to the kernel; thread-safe because output forwarding sends too."""
 
@@ -98,8 +104,7 @@ class Context:
             return
         self.records.append({"rank": self.rank, **record})
         if self.is_main:  # under torchrun there is no kernel: print rank 0's records
-            print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in record.items()), flush=True)
+            print(format_record(record), flush=True)
 
     def barrier(self):
         if dist.is_initialized():

@@ -22,7 +22,6 @@ from .policies import CheckpointPolicy
 from .probes import ActivationProbe, PeakProbe, StepTimer, state_bytes
 from .step import train_step, zero_grad
 
-LIVE_FIELDS = ("checkpoint", "accum_steps")  # settings that may change mid-run (the lab)
 
 
 def _lr_lambda(warmup):
