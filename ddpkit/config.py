@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from . import spec
+from .policies import CheckpointSetting
+
 MODELS = ("mlp", "gpt")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw", "zero1")
@@ -16,11 +19,25 @@ PROBES = ("activations", "peak", "comm")
 
 @dataclass
 class TrainConfig:
-    # --- model (identical blocks in ``model.blocks``)
-    model: str = "mlp"
-    """'mlp' (pre-norm residual MLP blocks) or 'gpt' (small causal transformer)."""
+    # --- model and data
+    model: object = "mlp"
+    """'mlp' (pre-norm residual MLP blocks) or 'gpt' (small causal transformer), the built-in
+    teaching models; or your own: a callable returning an nn.Module (called on every rank after
+    seeding from ``seed``; a notebook function ships by value), or an import path
+    'package.module:make_model' (what the CLI and torchrun take)."""
+    data: object = None
+    """Your model's data: a callable ``data(cfg) -> Dataset`` (map-style, the same on every
+    rank) or an import path. None: the built-in models' synthetic data, or synthetic tokens
+    (``seq_len`` long) for a Hugging Face causal LM."""
+    loss: object = None
+    """``loss(model, batch) -> scalar``, or an import path. None: a dict batch calls
+    ``model(**batch).loss`` (transformers); a tuple batch calls ``model(*batch)``."""
+    blocks: str | None = None
+    """Dotted path of the container of repeated blocks that checkpointing and FSDP act on
+    ('transformer.h'); None finds the longest nn.ModuleList/nn.Sequential of one block class."""
     n_blocks: int = 4
-    """Number of identical blocks; checkpoint policies act on these."""
+    """Number of identical blocks of a built-in model; for your own model it is read from the
+    model (built once on the meta device, no memory used)."""
     width: int = 64
     """Hidden size D."""
     mlp_ratio: int = 4
@@ -90,8 +107,7 @@ class TrainConfig:
         def bad(name, why, fix):
             raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}; {fix}")
 
-        if self.model not in MODELS:
-            bad("model", "unknown model", f"pass one of {MODELS}")
+        self._check_model()
         for name in ("n_blocks", "width", "mlp_ratio", "seq_len", "vocab", "n_heads", "steps",
                      "peak_every"):
             value = getattr(self, name)
@@ -140,29 +156,61 @@ class TrainConfig:
                 bad("measure", "must be True, False or a list of probe names",
                     f"pass e.g. measure=['activations'] (probes: {PROBES})")
             self.measure = list(self.measure)
-        self._check_checkpoint()
+        # one value type checks it; the config keeps the plain value (a list, not a tuple)
+        self.checkpoint = CheckpointSetting.of(self.checkpoint, self.n_blocks).plain
         self._check_devices()
 
-    def _check_checkpoint(self):
-        c, n = self.checkpoint, self.n_blocks
-        if c is None or c == "full":
+    def _check_model(self):
+        if isinstance(self.model, str) and ":" not in self.model and self.model not in MODELS:
+            raise ValueError(f"TrainConfig.model={self.model!r}: unknown model; pass one of "
+                             f"{MODELS}, a callable returning an nn.Module, or an import path "
+                             f"'package.module:make_model'")
+        if self.builtin:
+            for name in ("data", "loss"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"TrainConfig.{name}= is for your own model; the built-in "
+                                     f"model={self.model!r} brings its own: pass {name}=None")
+            if self.blocks not in (None, "blocks"):
+                raise ValueError(f"TrainConfig.blocks={self.blocks!r}: the built-in models keep "
+                                 f"their blocks in 'blocks'; pass blocks=None")
             return
-        if isinstance(c, bool):
-            raise ValueError(f"TrainConfig.checkpoint={c!r}: ambiguous; pass 'full', None, "
-                             f"a segment count, or a list of {n} booleans")
-        if isinstance(c, int):
-            if not 1 <= c <= n:
-                raise ValueError(f"TrainConfig.checkpoint={c}: segments must be between 1 and "
-                                 f"n_blocks={n}; pass checkpoint<={n}, 'full', or None")
-            return
-        if isinstance(c, (list, tuple)):
-            if len(c) != n or not all(isinstance(b, bool) for b in c):
-                raise ValueError(f"TrainConfig.checkpoint: a selective list needs exactly "
-                                 f"n_blocks={n} booleans (one per block), got {list(c)!r}")
-            self.checkpoint = list(c)
-            return
-        raise ValueError(f"TrainConfig.checkpoint={c!r}: pass None, an int (segments), 'full', "
-                         f"or a list of {n} booleans")
+        if not callable(self.model) and not isinstance(self.model, str):
+            raise ValueError(f"TrainConfig.model={self.model!r}: pass 'mlp', 'gpt', a callable "
+                             f"returning an nn.Module, or an import path 'package.module:make_model'")
+        for name in ("data", "loss"):
+            spec.resolve(getattr(self, name), name)  # an import path that fails, fails here
+        info = self.info  # builds the model on the meta device once: no memory
+        self.n_blocks = info.n_blocks
+        if self.data is None and not info.causal_lm:
+            raise ValueError(f"TrainConfig.data=None: {info.name} is not a Hugging Face causal "
+                             f"LM, so ddpkit cannot make its data; pass data=make_data, a function "
+                             f"(cfg) -> torch.utils.data.Dataset")
+
+    @property
+    def builtin(self):
+        """Is the model one of the built-in teaching models?"""
+        return isinstance(self.model, str) and self.model in MODELS
+
+    @property
+    def info(self):
+        """`spec.ModelInfo` of the model (blocks, their count, what kind of model), from one
+        build on the meta device (cached per factory)."""
+        return spec.model_info(self.model, self.blocks, self.seed)
+
+    @property
+    def blocks_path(self):
+        """Where the blocks are: 'blocks' in the built-in models, else the given or found path."""
+        return "blocks" if self.builtin else self.info.blocks
+
+    @property
+    def loss_fn(self):
+        """The loss callable (None: the conventions of `spec.compute_loss`)."""
+        return spec.resolve(self.loss, "loss")
+
+    @property
+    def checkpointing(self):
+        """The checkpoint setting as its value type (`CheckpointSetting`)."""
+        return CheckpointSetting.of(self.checkpoint, self.n_blocks)
 
     def _check_devices(self):
         import os
@@ -207,10 +255,19 @@ class TrainConfig:
         base = TrainConfig()
         args = []
         for name, value in self.to_dict().items():
-            if name in ("world_size", "backend", "device") or value == getattr(base, name):
+            if name in ("world_size", "backend", "device") or value == getattr(base, name) or \
+                    (name == "n_blocks" and not self.builtin):  # read from the model
                 continue
             flag = "--" + name.replace("_", "-")
-            if name == "measure":
+            if name in ("model", "data", "loss"):
+                path = spec.import_path(value)
+                if path is None:
+                    raise ValueError(
+                        f"TrainConfig.{name}={spec.describe_spec(value)} is defined in the "
+                        f"notebook (__main__): the CLI and torchrun import it by path; move it "
+                        f"into a module and pass {name}='package.module:{name}_function'")
+                args += [flag, path]
+            elif name == "measure":
                 value = value if isinstance(value, bool) else ",".join(value)
                 args += [flag, str(value).lower()]
             elif isinstance(value, bool):

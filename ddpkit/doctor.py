@@ -93,36 +93,32 @@ class _Watch:
             self.bwd[name] += 1  # recomputed by a checkpoint
 
 
-def _install_checkpoint(model, setting, use_reentrant, preserve_rng_state, watch):
+def _install_checkpoint(model, setting, use_reentrant, preserve_rng_state, watch, blocks=None):
     """Install the requested checkpointing for the check. Returns (segments, undo), where a
     segment is (name, [modules]) and undo() puts the model back as it was."""
     if setting is None:
         return [], lambda: None
-    blocks = getattr(model, "blocks", None)
     is_block_setting = setting == "full" or (isinstance(setting, int) and not isinstance(setting, bool)) \
         or (isinstance(setting, (list, tuple)) and setting and all(isinstance(b, bool) for b in setting))
     if is_block_setting:
-        if blocks is None:
-            raise ValueError(f"doctor: checkpoint={setting!r} acts on model.blocks, and this "
+        from .blocks import block_names, find_blocks
+        from .policies import CheckpointPolicy, remove
+
+        try:
+            path, blocks = find_blocks(model, blocks)
+        except ValueError:
+            if blocks is not None:
+                raise
+            raise ValueError(f"doctor: checkpoint={setting!r} acts on repeated blocks, and this "
                              f"{type(model).__name__} has none; pass checkpoint= as a list of "
-                             f"submodule names, or a callable (name, module) -> bool")
-        from .policies import CheckpointPolicy, checkpointed_blocks
-
-        if hasattr(model, "run_blocks"):  # ddpkit-style model: the real policy, as train uses
-            saved = {k: model.__dict__[k] for k in ("run_blocks", "checkpoint_policy")
-                     if k in model.__dict__}
-            policy = CheckpointPolicy(setting, len(blocks), use_reentrant, preserve_rng_state)
-            policy.apply(model)
-
-            def undo():
-                for k in ("run_blocks", "checkpoint_policy"):
-                    model.__dict__.pop(k, None)
-                model.__dict__.update(saved)
-
-            segs = [(f"blocks.{a}" if b - a == 1 else f"blocks[{a}:{b}]", list(blocks[a:b]))
-                    for a, b, on in policy.segments if on]
-            return segs, undo
-        names = [f"blocks.{i}" for i, on in enumerate(checkpointed_blocks(setting, len(blocks))) if on]
+                             f"submodule names, or a callable (name, module) -> bool") from None
+        # the very policy the ranks install, so doctor checks what will run
+        policy = CheckpointPolicy(setting, len(blocks), use_reentrant, preserve_rng_state)
+        policy.apply(model, path)
+        names = block_names(path, blocks)
+        segs = [(names[a] if b - a == 1 else f"{path}[{a}:{b}]", list(blocks[a:b]))
+                for a, b, on in policy.segments if on]
+        return segs, lambda: remove(model)
     elif callable(setting):
         names = _outermost([n for n, m in model.named_modules() if n and setting(n, m)])
     elif isinstance(setting, (list, tuple)) and all(isinstance(n, str) for n in setting):
@@ -204,7 +200,7 @@ def _rng_state(device_types):
     return state
 
 
-def _measure(model, inputs, loss_fn, segments, watch):
+def _measure(model, forward, segments, watch):
     """One forward + backward with every probe on. Returns the raw observations."""
     acc = Counter()
     seg_inputs = defaultdict(list)  # segment name -> [does the input require grad?] per call
@@ -228,7 +224,7 @@ def _measure(model, inputs, loss_fn, segments, watch):
         with warnings.catch_warnings(record=True) as caught, torch.enable_grad():
             warnings.simplefilter("always")
             watch.phase = "forward"
-            loss = _loss_of(model(*inputs), loss_fn)
+            loss = forward(model)
             watch.phase = "idle"
             reach = _reachable_params(loss) if loss.requires_grad else set()
             rng0 = _rng_state(devices)
@@ -365,15 +361,37 @@ def _findings(model, obs, segments, use_reentrant, ddp_kwargs):
 
 
 # ----------------------------------------------------------------------------- API
+def _doctor_config(cfg):
+    """doctor on a config's model (built-in or yours), one micro-batch of its data, its loss."""
+    from .data import first_batch, make_dataset
+    from .spec import build_model, compute_loss
+
+    model = build_model(cfg)[0]
+    batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
+    return doctor(model, _Call(lambda m: compute_loss(m, batch, cfg.loss_fn)),
+                  checkpoint=cfg.checkpoint, blocks=cfg.blocks_path, use_reentrant=cfg.use_reentrant,
+                  preserve_rng_state=cfg.preserve_rng_state,
+                  ddp_kwargs=dict(find_unused_parameters=cfg.find_unused_parameters,
+                                  static_graph=cfg.static_graph))
+
+
+class _Call:
+    """An example input that is a whole call: ``run(model)`` returns the loss."""
+
+    def __init__(self, run):
+        self.run = run
+
+
 def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
-           preserve_rng_state=True, ddp_kwargs=None, loss_fn=None):
+           preserve_rng_state=True, ddp_kwargs=None, loss_fn=None, blocks=None):
     """Check ``model`` for DDP + checkpointing hazards with one forward/backward on this process.
 
-    ``doctor(cfg)`` checks a built-in `TrainConfig` (its model, one micro-batch, its checkpoint,
-    reentrancy and DDP settings). For your own model pass ``example_input`` (a tensor, or a tuple
-    of positional arguments) and, if the model does not checkpoint itself, ``checkpoint=``:
-    an int / 'full' / one bool per block (models with ``.blocks``, as `TrainConfig.checkpoint`),
-    a list of submodule names to checkpoint, or a callable ``(name, module) -> bool``.
+    ``doctor(cfg)`` checks a `TrainConfig`, built-in model or yours (its model, one micro-batch of
+    its data through its loss, its checkpoint, reentrancy and DDP settings). A bare model takes
+    ``example_input`` (a tensor, or a tuple of positional arguments) and, if the model does not
+    checkpoint itself, ``checkpoint=``: an int / 'full' / one bool per block (over the repeated
+    blocks `ddpkit.blocks.find_blocks` finds, or those at the dotted path ``blocks=``), a list of
+    submodule names to checkpoint, or a callable ``(name, module) -> bool``.
     ``ddp_kwargs``: the keywords you will give DDP (``find_unused_parameters``, ``static_graph``).
     ``loss_fn(output)``: a scalar to backpropagate (default: the output if scalar, else its sum).
     Returns `Findings` (a list of `Finding`); empty when nothing is wrong.
@@ -381,23 +399,20 @@ def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
     from .config import TrainConfig
 
     if isinstance(model, TrainConfig):
-        cfg = model
         if example_input is not None:
             raise TypeError("doctor(cfg) builds its own input; pass a model to use example_input")
-        from .models import SyntheticData, build_model
-
-        data = SyntheticData(cfg, n_samples=cfg.micro_batch)
-        return doctor(build_model(cfg), (data.inputs, data.targets), checkpoint=cfg.checkpoint,
-                      use_reentrant=cfg.use_reentrant, preserve_rng_state=cfg.preserve_rng_state,
-                      ddp_kwargs=dict(find_unused_parameters=cfg.find_unused_parameters,
-                                      static_graph=cfg.static_graph))
+        return _doctor_config(model)
     if not isinstance(model, nn.Module):
         raise TypeError(f"doctor() takes an nn.Module or a ddpkit.TrainConfig, got "
                         f"{type(model).__name__}")
     if example_input is None:
         raise TypeError("doctor(model, example_input): pass one example batch (a tensor, or a "
                         "tuple of the forward's positional arguments)")
-    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    if isinstance(example_input, _Call):
+        forward = example_input.run
+    else:
+        inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+        forward = lambda m: _loss_of(m(*inputs), loss_fn)  # noqa: E731
     # everything doctor touches, to put back: nothing of the check may leak into training
     modes = [(m, m.training) for m in model.modules()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -406,10 +421,11 @@ def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
     for p, _ in grads:
         p.grad = None
     watch = _Watch()
-    segments, undo = _install_checkpoint(model, checkpoint, use_reentrant, preserve_rng_state, watch)
+    segments, undo = _install_checkpoint(model, checkpoint, use_reentrant, preserve_rng_state,
+                                         watch, blocks)
     try:
         model.train()  # BatchNorm and dropout hazards exist in training mode only
-        obs = _measure(model, inputs, loss_fn, segments, watch)
+        obs = _measure(model, forward, segments, watch)
         return _findings(model, obs, segments, use_reentrant, dict(ddp_kwargs or {}))
     finally:
         undo()

@@ -1,4 +1,15 @@
-"""Predicted bytes from first principles: what each op of the built-in models keeps for backward.
+"""Predicted bytes per rank, before any rank starts: from first principles for the built-in
+models, and for any other model by tracing one forward under torch's ``FakeTensorMode``.
+
+**Your model** (`trace`): the model is built under ``FakeTensorMode`` (no memory), the
+checkpoint policy installed exactly as the ranks install it, and one micro-batch's forward run
+with the same `ActivationProbe` the ranks measure with (each storage once, parameters left out).
+What autograd saves is the same set of tensors with or without real data, so the prediction
+equals the measurement. Per block (`Estimate.blocks`): the bytes each block keeps when it runs
+plain, the bytes its input costs when it is checkpointed instead, and its forward FLOPs (what a
+recompute costs), from one uncheckpointed trace with ``FlopCounterMode``.
+
+**The built-in models**, from first principles: what each op keeps for backward.
 
 ``estimate(cfg)`` returns an `Estimate` (bytes per rank). Parameter, gradient and optimizer bytes
 are exact counts from the architecture. Activation bytes, for one micro-batch, follow from which
@@ -21,11 +32,31 @@ parameters greedily, so the heaviest rank can hold more.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import contextlib
+import functools
+import sys
+from dataclasses import asdict, dataclass, field
 
-from .policies import segments_for
+import torch
+
+from .policies import CheckpointPolicy, segments_for
 
 F32, I64 = 4, 8
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block: activation bytes it keeps when plain, bytes its checkpoint keeps instead (its
+    input), and its forward FLOPs (what recomputing it costs)."""
+    name: str
+    keeps: int
+    boundary: int
+    flops: int
+
+    @property
+    def saves(self):
+        """Bytes freed by checkpointing this block alone."""
+        return self.keeps - self.boundary
 
 
 @dataclass
@@ -36,13 +67,28 @@ class Estimate:
     activations: int
     activation_per_block: int
     boundary: int
+    blocks: list = field(default_factory=list, repr=False)
+    """One `BlockCost` per block."""
+    method: str = "formula"
+    """'formula' (built-in models, first principles) or 'traced' (FakeTensorMode)."""
+
+    def blocks_table(self):
+        """The per-block figures as a pandas DataFrame, best savings per FLOP first."""
+        import pandas as pd
+
+        rows = [dict(block=b.name, keeps_bytes=b.keeps, boundary_bytes=b.boundary,
+                     saves_bytes=b.saves, recompute_flops=b.flops,
+                     saves_per_mflop=b.saves / max(b.flops / 1e6, 1e-9)) for b in self.blocks]
+        return pd.DataFrame(rows)
 
     @property
     def total(self):
         return self.params + self.grads + self.optimizer + self.activations
 
     def to_dict(self):
-        return {**asdict(self), "total": self.total}
+        out = asdict(self)
+        out.pop("blocks")
+        return {**out, "total": self.total}
 
     def __repr__(self):
         mib = lambda b: f"{b / 2**20:.2f} MiB"
@@ -98,22 +144,155 @@ def optimizer_bytes(cfg, n_params):
 
 
 def estimate(cfg) -> Estimate:
-    """Predicted bytes per rank for ``cfg`` (a TrainConfig).
+    """Predicted bytes per rank for ``cfg`` (a TrainConfig), with nothing allocated.
 
     Model states follow the ZeRO paper with this kit's dtypes (fp32 weights, fp32 gradients,
     two fp32 Adam moments: 4 + 4 + 8 = 16 bytes per parameter Psi): DDP keeps all 16 Psi on every
     rank; ZeRO-1 (``ddp_zero1``) shards the optimizer: 8 Psi + 8 Psi / N; FSDP (ZeRO-3) shards
     everything: 16 Psi / N (FSDP2 chunks each parameter along dim 0, so shards can be uneven by a
     few bytes: a 1-row weight lives whole on rank 0; they add up to exactly one copy).
+    Activations: first principles for the built-in models, a FakeTensorMode trace for yours.
     """
     from .config import TrainConfig
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"estimate() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
-                        f"build one with ddpkit.TrainConfig(...)")
-    n = param_count(cfg)
-    _, block, boundary = activation_parts(cfg)
+                        f"build one with ddpkit.TrainConfig(model=..., ...)")
     shards = cfg.world_size if cfg.strategy == "fsdp" else 1
-    return Estimate(params=n * F32 // shards, grads=n * F32 // shards,
-                    optimizer=optimizer_bytes(cfg, n), activations=activation_bytes(cfg),
-                    activation_per_block=block, boundary=boundary)
+    if cfg.builtin:
+        n = param_count(cfg)
+        _, block, boundary = activation_parts(cfg)
+        costs = [BlockCost(f"blocks.{i}", block, boundary, f)
+                 for i, f in enumerate(_traced(cfg).block_flops)]
+        return Estimate(params=n * F32 // shards, grads=n * F32 // shards,
+                        optimizer=optimizer_bytes(cfg, n), activations=activation_bytes(cfg),
+                        activation_per_block=block, boundary=boundary, blocks=costs)
+    t = _traced(cfg)
+    costs = [BlockCost(name, keeps, boundary, flops) for name, keeps, boundary, flops
+             in zip(t.block_names, t.block_keeps, t.block_boundary, t.block_flops)]
+    return Estimate(params=t.param_bytes // shards, grads=t.param_bytes // shards,
+                    optimizer=optimizer_bytes(cfg, t.param_bytes // F32),
+                    activations=trace_activations(cfg), blocks=costs, method="traced",
+                    activation_per_block=max(t.block_keeps), boundary=max(t.block_boundary))
+
+
+# ----------------------------------------------------------------------------- FakeTensorMode
+class _Traced:
+    """A config's model built under FakeTensorMode, with one fake micro-batch (cached)."""
+
+    def __init__(self, cfg):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from .blocks import block_names, resolve_blocks
+        from .data import first_batch, make_dataset
+        from .spec import build_model
+
+        self.cfg = cfg
+        self.mode = FakeTensorMode()
+        real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
+        with self.mode, torch.random.fork_rng(devices=[]):
+            self.model = build_model(cfg)[0].train()
+        self.batch = torch.utils._pytree.tree_map(
+            lambda t: self.mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, real_batch)
+        self.blocks = resolve_blocks(self.model, cfg.blocks_path)
+        self.block_names = block_names(cfg.blocks_path, self.blocks)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._per_block()
+
+    def forward_bytes(self, setting, probe=None):
+        """Activation bytes one forward saves under ``setting``."""
+        from .probes import ActivationProbe
+        from .spec import compute_loss
+        from .step import autocast_for
+
+        probe = probe or ActivationProbe()
+        CheckpointPolicy.from_config(self.cfg, setting).apply(self.model, self.cfg.blocks_path)
+        with self.mode, _as_real_for_transformers(self.batch), probe.forward(self.model), \
+                autocast_for(self.cfg.precision, "cpu"):
+            compute_loss(self.model, self.batch, self.cfg.loss_fn)
+        return probe.bytes
+
+    def _per_block(self):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from .probes import ActivationProbe, _storage
+
+        probe, inputs = ActivationProbe(), {}
+
+        def enter(i, module, args, kwargs):
+            probe.owner = i
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            inputs[i] = _storage(first)[1] if first is not None else 0
+        hooks = [b.register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True)
+                 for i, b in enumerate(self.blocks)]
+        hooks += [b.register_forward_hook(lambda *a: setattr(probe, "owner", None))
+                  for b in self.blocks]
+        try:
+            with FlopCounterMode(display=False) as counter:
+                self.forward_bytes(None, probe)
+        finally:
+            for h in hooks:
+                h.remove()
+        counts = counter.get_flop_counts()
+        root = type(self.model).__name__
+        self.block_keeps = [probe.by_owner.get(i, 0) for i in range(len(self.blocks))]
+        self.block_boundary = [inputs.get(i, 0) for i in range(len(self.blocks))]
+        self.block_flops = [sum(counts.get(f"{root}.{n}", {}).values()) for n in self.block_names]
+
+
+@contextlib.contextmanager
+def _as_real_for_transformers(batch):
+    """transformers takes a FakeTensor for a compile trace (``is_tracing``): it then cannot read
+    the mask data, so it builds an explicit causal mask instead of SDPA's ``is_causal=True``,
+    which sends attention down another kernel than the real run takes (another set of saved
+    tensors). For a batch with neither ``attention_mask`` nor ``position_ids`` the real run's
+    decisions need no data (no padding, positions 0..T-1, nothing packed), so during the trace
+    they are made as the run makes them. Other batches keep transformers' traced decisions."""
+    masking = sys.modules.get("transformers.masking_utils")
+    names = ("_ignore_causal_mask_sdpa", "find_packed_sequence_indices")
+    plain = isinstance(batch, dict) and not {"attention_mask", "position_ids"} & set(batch)
+    if masking is None or not plain or not all(hasattr(masking, n) for n in names):
+        yield
+        return
+    real = {n: getattr(masking, n) for n in names}
+
+    def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        if padding_mask is None and isinstance(q_offset, int) and local_attention_size is None:
+            return q_length == 1 or kv_length == q_length
+        return real["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset,
+                                                kv_offset, local_attention_size)
+
+    masking._ignore_causal_mask_sdpa = ignore
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        for n, fn in real.items():
+            setattr(masking, n, fn)
+
+
+_TRACES = {}
+
+
+def _trace_key(cfg):
+    d = cfg.to_dict()
+    keep = ("model", "data", "loss", "blocks", "n_blocks", "width", "mlp_ratio", "seq_len", "vocab",
+            "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant")
+    return tuple((k, d[k] if isinstance(d[k], (str, int, float, type(None))) else id(d[k]))
+                 for k in keep)
+
+
+def _traced(cfg):
+    key = _trace_key(cfg)
+    hit = _TRACES.get(key)
+    if hit is None or hit.cfg.model is not cfg.model or hit.cfg.data is not cfg.data:
+        if len(_TRACES) > 16:
+            _TRACES.clear()
+        hit = _TRACES[key] = _Traced(cfg)
+    return hit
+
+
+def trace_activations(cfg, checkpoint="config"):
+    """Activation bytes of one micro-batch under a checkpoint setting, traced (no memory)."""
+    setting = cfg.checkpoint if checkpoint == "config" else checkpoint
+    return _traced(cfg).forward_bytes(setting)

@@ -1,9 +1,9 @@
 """Built-in models and their synthetic data.
 
-Both models are a stem, ``model.blocks`` (identical blocks, an ``nn.ModuleList``) and a head, so a
-checkpoint policy can act per block. ``forward(inputs, targets)`` returns the mean loss and runs
-the blocks through ``model.run_blocks``, which a policy replaces (policies.py): the state_dict
-keys never change with the policy.
+Both models are a stem, ``model.blocks`` (identical blocks in an ``nn.Sequential``, called as a
+whole, so a checkpointed segment of several blocks is one region as in checkpoint_sequential)
+and a head. ``forward(inputs, targets)`` returns the mean loss: a tuple batch ``(x, y)`` trains
+them with ``loss=None``. A policy (policies.py) never changes the state_dict keys.
 
 Data are synthetic and deterministic: sample i of the run is the same whatever the world size,
 so runs with different world sizes and accumulation can be compared weight for weight.
@@ -32,15 +32,10 @@ class MLPBlock(nn.Module):
 
 
 class _Blocks(nn.Module):
-    """Common shape: stem -> blocks -> head, with a replaceable block runner."""
-
-    def run_blocks(self, h):
-        for block in self.blocks:
-            h = block(h)
-        return h
+    """Common shape: stem -> blocks -> head."""
 
     def forward(self, inputs, targets):
-        return self.loss(self.run_blocks(self.stem(inputs)), targets)
+        return self.loss(self.blocks(self.stem(inputs)), targets)
 
 
 class MLPModel(_Blocks):
@@ -49,7 +44,7 @@ class MLPModel(_Blocks):
     def __init__(self, n_blocks=4, width=64, mlp_ratio=4, dropout=0.0):
         super().__init__()
         self.stem_fc = nn.Linear(width, width)  # so the first block's input requires grad
-        self.blocks = nn.ModuleList(MLPBlock(width, mlp_ratio, dropout) for _ in range(n_blocks))
+        self.blocks = nn.Sequential(*(MLPBlock(width, mlp_ratio, dropout) for _ in range(n_blocks)))
         self.ln_f = nn.LayerNorm(width)
         self.out = nn.Linear(width, 1)
 
@@ -97,8 +92,8 @@ class GPTModel(_Blocks):
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
         self.pos = nn.Embedding(seq_len, width)
-        self.blocks = nn.ModuleList(GPTBlock(width, n_heads, mlp_ratio, dropout)
-                                    for _ in range(n_blocks))
+        self.blocks = nn.Sequential(*(GPTBlock(width, n_heads, mlp_ratio, dropout)
+                                      for _ in range(n_blocks)))
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
 
@@ -110,9 +105,8 @@ class GPTModel(_Blocks):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def build_model(cfg):
-    """The model a config names, initialised from cfg.seed (the same on every rank)."""
-    torch.manual_seed(cfg.seed)
+def build_builtin(cfg):
+    """The built-in model a config names (seed first: `spec.build_model` does)."""
     if cfg.model == "mlp":
         return MLPModel(cfg.n_blocks, cfg.width, cfg.mlp_ratio, cfg.dropout)
     return GPTModel(cfg.n_blocks, cfg.width, cfg.mlp_ratio, cfg.seq_len, cfg.vocab, cfg.n_heads,
@@ -125,15 +119,17 @@ class SyntheticData:
 
     BLOCK = 1024
 
-    def __init__(self, cfg, n_samples=None):
+    def __init__(self, cfg, n_samples=None, vocab=None):
         self.cfg = cfg
+        self.tokens = cfg.model != "mlp"  # token sequences (gpt, or a transformers causal LM)
+        self.vocab = vocab or cfg.vocab
         n = n_samples or cfg.steps * cfg.global_batch
         g = torch.Generator().manual_seed(10_000 + cfg.seed)
-        if cfg.model == "mlp":
+        if not self.tokens:
             self._proj = torch.randn(cfg.width, generator=g) / math.sqrt(cfg.width)
         else:
             # a fixed random "grammar": each token strongly predicts the next, so loss can fall
-            self._next = torch.randint(cfg.vocab, (cfg.vocab,), generator=g)
+            self._next = torch.randint(self.vocab, (self.vocab,), generator=g)
         blocks = [self._block(b) for b in range(-(-n // self.BLOCK))]
         # clone: own storages of exactly n samples (a view would keep whole blocks alive)
         self.inputs = torch.cat([x for x, _ in blocks])[:n].clone()
@@ -142,12 +138,12 @@ class SyntheticData:
     def _block(self, b):
         cfg, size = self.cfg, self.BLOCK
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + b)
-        if cfg.model == "mlp":
+        if not self.tokens:
             x = torch.randn(size, cfg.width, generator=g)
             return x, torch.sin(3 * x @ self._proj)
-        start = torch.randint(cfg.vocab, (size,), generator=g)
+        start = torch.randint(self.vocab, (size,), generator=g)
         noise = torch.rand(size, cfg.seq_len + 1, generator=g) < 0.1
-        rand = torch.randint(cfg.vocab, (size, cfg.seq_len + 1), generator=g)
+        rand = torch.randint(self.vocab, (size, cfg.seq_len + 1), generator=g)
         seq = torch.empty(size, cfg.seq_len + 1, dtype=torch.long)
         seq[:, 0] = start
         for t in range(1, cfg.seq_len + 1):
@@ -155,15 +151,20 @@ class SyntheticData:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     def micro_batches(self, start, rank, world_size, micro_batch, accum_steps):
-        """Rank ``rank``'s micro-batches for the optimizer step whose global batch starts at
-        sample ``start`` (samples consumed so far).
+        """Rank ``rank``'s micro-batches ``(x, y)`` for the optimizer step whose global batch
+        starts at sample ``start``: DistributedSampler's order without shuffling, so rank r takes
+        every world_size-th sample of [start, start + G), starting at r (`data.RankBatches`)."""
+        from torch.utils.data import TensorDataset
 
-        The global batch is samples [start, start + G); rank r takes every world_size-th of them,
-        starting at r (DistributedSampler's interleaving), then splits its share into
-        accum_steps micro-batches. Past the end, the data wrap around.
-        """
-        G = world_size * micro_batch * accum_steps
-        idx = (torch.arange(start, start + G) % len(self.inputs))[rank::world_size]
-        for k in range(accum_steps):
-            part = idx[k * micro_batch:(k + 1) * micro_batch]
-            yield self.inputs[part], self.targets[part]
+        from .data import RankBatches
+
+        batches = RankBatches(TensorDataset(self.inputs, self.targets), rank, world_size,
+                              shuffle=False)
+        return batches.micro_batches(start, micro_batch, accum_steps)
+
+
+def build_model(cfg):
+    """The model a config names (built-in or your own), seeded from cfg.seed."""
+    from .spec import build_model as build
+
+    return build(cfg)[0]

@@ -38,8 +38,10 @@ def _nbytes(t):
 
 
 def _storage(t):
+    # keyed on the StorageImpl, not data_ptr(): under FakeTensorMode (the estimate) every
+    # data_ptr() is 0, while views still share their base's StorageImpl there too
     st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes()
+    return st._cdata, st.nbytes()
 
 
 class ActivationProbe:
@@ -48,6 +50,8 @@ class ActivationProbe:
 
     def __init__(self):
         self.bytes = self.max_bytes = 0
+        self.owner = None     # who saves now (the estimate sets the running block's index)
+        self.by_owner = {}    # owner -> bytes it saved, in the last forward
         self._seen = set()
         self._params = set()
         self._model = None
@@ -67,10 +71,12 @@ class ActivationProbe:
                 return
         self._seen.add(key)
         self.bytes += nbytes
+        self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + nbytes
 
     @contextlib.contextmanager
     def forward(self, model):
         self.bytes = 0
+        self.by_owner = {}
         self._seen.clear()
         self._params = {_storage(_local(p))[0] for p in model.parameters()}
         # FSDP2 swaps each block's sharded parameters for all-gathered ones during its forward:

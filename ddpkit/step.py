@@ -2,10 +2,10 @@
 
 The loop a slide can show::
 
-    for k, (x, y) in enumerate(micro_batches):
+    for k, batch in enumerate(micro_batches):
         last = k == accum_steps - 1
         with (model.no_sync() if no_sync and not last else nullcontext()):  # all-reduce once
-            loss = model(x, y) / accum_steps     # scale: gradients sum over micro-batches
+            loss = loss_fn(model, batch) / accum_steps  # scale: gradients sum over micro-batches
             loss.backward()
     optimizer.step(); optimizer.zero_grad()
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
+
+from .spec import compute_loss, to_device
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,24 +51,26 @@ def skip_sync(model):
 
 def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, precision="fp32",
                device="cpu", scaler=None, activation_probe=None, inner=None, scale_loss=True,
-               scheduler=None):
+               scheduler=None, loss_fn=None):
     """Run ``accum_steps`` micro-batches and one optimizer step. Returns the mean loss (float).
 
     ``model`` may be DDP-wrapped or FSDP2-sharded (then ``no_sync`` skips the gradient sync of
     all but the last micro-batch) or a plain module. ``inner`` is the unwrapped module, for the activation probe.
     ``scale_loss=False`` reproduces the classic bug (gradients accum_steps times too large).
+    A micro-batch is any batch; ``loss_fn(model, batch)`` makes its loss (None: `compute_loss`'s
+    conventions, e.g. ``model(*batch)`` for the built-in models' ``(x, y)``).
     """
     total = 0.0
     batches = list(micro_batches)
     if len(batches) != accum_steps:
         raise ValueError(f"got {len(batches)} micro-batches for accum_steps={accum_steps}")
-    for k, (x, y) in enumerate(batches):
+    for k, batch in enumerate(batches):
         last = k == accum_steps - 1
         sync = (skip_sync(model) if no_sync and not last else None) or nullcontext()
         with sync:
             probe = activation_probe.forward(inner or model) if activation_probe else nullcontext()
             with probe, autocast_for(precision, device):
-                loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                loss = compute_loss(model, to_device(batch, device), loss_fn)
             total += loss.detach().float().item()
             # scale the loss to account for gradient accumulation: grads add up over micro-batches
             scaled = loss / accum_steps if scale_loss else loss

@@ -32,7 +32,9 @@ def wrap(cfg, model, ctx, count_comm=True):
         # an explicit mesh on the ranks' own device: FSDP's default mesh takes the machine's
         # accelerator, which is wrong for CPU ranks on a machine that has a GPU
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for block in model.blocks:
+        from .blocks import resolve_blocks
+
+        for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, optimizer_class(cfg)(model.parameters(), lr=cfg.lr), None

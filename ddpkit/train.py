@@ -17,8 +17,9 @@ import torch
 from . import saving, strategies
 from .config import TrainConfig
 from .launcher import launch
-from .models import SyntheticData, build_model
+from .data import RankBatches, first_batch, make_dataset
 from .policies import CheckpointPolicy
+from .spec import build_model
 from .probes import ActivationProbe, PeakProbe, StepTimer, state_bytes
 from .step import train_step, zero_grad
 
@@ -35,14 +36,18 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
     and broadcast (about every 0.1 s), so a change lands on every rank at the same step.
     resume_from: a save_dir (its latest complete checkpoint) or a checkpoint folder.
     """
-    model = build_model(cfg).to(ctx.device)
-    CheckpointPolicy.from_config(cfg).apply(model)
+    model = build_model(cfg)[0].to(ctx.device)
+    # the order that works for DDP and FSDP alike: checkpointing first, then wrap (strategies)
+    CheckpointPolicy.from_config(cfg).apply(model, cfg.blocks_path)
     probes = cfg.probes
     wrapped, optimizer, comm = strategies.wrap(cfg, model, ctx, count_comm="comm" in probes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup_steps))
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
     fsdp = cfg.strategy == "fsdp"
-    data = SyntheticData(cfg)
+    # built-in data keep their fixed order (sample i is the same for any world size); a
+    # dataset of yours is shuffled by DistributedSampler, seeded, a new order each epoch
+    data = RankBatches(make_dataset(cfg), ctx.rank, ctx.world_size, seed=cfg.seed,
+                       shuffle=not cfg.builtin)
     acts = ActivationProbe() if "activations" in probes else None
     peak = PeakProbe(ctx.device) if "peak" in probes else None
     timer = StepTimer(ctx.device)
@@ -56,13 +61,12 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         changed = []  # what actually changes at this step, on every rank alike
         if "checkpoint" in sent and sent["checkpoint"] != setting:
             setting = sent["checkpoint"]
-            CheckpointPolicy(setting, cfg.n_blocks, cfg.use_reentrant,
-                             cfg.preserve_rng_state).apply(model)
+            CheckpointPolicy.from_config(cfg, setting).apply(model, cfg.blocks_path)
             changed.append("checkpoint")
         if "accum_steps" in sent and int(sent["accum_steps"]) != accum:
             accum = int(sent["accum_steps"])
             changed.append("accum_steps")
-        batches = data.micro_batches(consumed, ctx.rank, ctx.world_size, cfg.micro_batch, accum)
+        batches = data.micro_batches(consumed, cfg.micro_batch, accum)
         consumed += ctx.world_size * cfg.micro_batch * accum
         if comm:
             comm.reset()
@@ -76,7 +80,8 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         with timer.time(), (peak.step(model, optimizer) if probe_peak else nullcontext()):
             loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
                               precision=cfg.precision, device=ctx.device, scaler=scaler,
-                              activation_probe=acts, inner=model, scheduler=scheduler)
+                              activation_probe=acts, inner=model, scheduler=scheduler,
+                              loss_fn=cfg.loss_fn)
         record = dict(step=step, loss=loss, step_time_s=timer.seconds,
                       samples_per_s=ctx.world_size * cfg.micro_batch * accum / timer.seconds,
                       accum_steps=accum, checkpoint=str(setting), changed=",".join(changed),
@@ -193,13 +198,14 @@ def recompute_flops_ratio(cfg):
     checkpointing, counted on one process with FlopCounterMode (no clock noise)."""
     from .probes import count_flops
 
-    data = SyntheticData(cfg, n_samples=cfg.micro_batch)
-    x, y = data.inputs, data.targets
+    from .spec import compute_loss
+
+    batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
+    model = build_model(cfg)[0]
 
     def flops(setting):
-        model = build_model(cfg)
-        CheckpointPolicy(setting, cfg.n_blocks, cfg.use_reentrant).apply(model)
-        return count_flops(lambda: model(x, y).backward())
+        CheckpointPolicy.from_config(cfg, setting).apply(model, cfg.blocks_path)
+        return count_flops(lambda: compute_loss(model, batch, cfg.loss_fn).backward())
 
     return flops(cfg.checkpoint) / flops(None)
 
