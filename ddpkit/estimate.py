@@ -292,6 +292,19 @@ def _traced(cfg):
     return hit
 
 
+def traced_flops(cfg, setting):
+    """FLOPs of one micro-batch's forward and backward under ``setting`` (FakeTensorMode)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .spec import compute_loss
+
+    t = _traced(cfg)
+    CheckpointPolicy.from_config(cfg, setting).apply(t.model, cfg.blocks_path)
+    with t.mode, _as_real_for_transformers(t.batch), FlopCounterMode(display=False) as counter:
+        compute_loss(t.model, t.batch, cfg.loss_fn).backward()
+    return counter.get_total_flops()
+
+
 def trace_activations(cfg, checkpoint="config"):
     """Activation bytes of one micro-batch under a checkpoint setting, traced (no memory)."""
     setting = cfg.checkpoint if checkpoint == "config" else checkpoint

@@ -162,8 +162,9 @@ class CheckpointPolicy:
         self._in_region = False       # a container region is running its blocks' own forwards
 
     @classmethod
-    def from_config(cls, cfg, setting=None):
-        return cls(cfg.checkpoint if setting is None else setting, cfg.n_blocks,
+    def from_config(cls, cfg, setting="config"):
+        """The config's policy, or another ``setting`` with the config's way of checkpointing."""
+        return cls(cfg.checkpoint if setting == "config" else setting, cfg.n_blocks,
                    cfg.use_reentrant, cfg.preserve_rng_state)
 
     @property

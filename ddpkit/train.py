@@ -17,7 +17,7 @@ import torch
 from . import saving, strategies
 from .config import TrainConfig
 from .launcher import launch
-from .data import RankBatches, first_batch, make_dataset
+from .data import RankBatches, make_dataset
 from .policies import CheckpointPolicy
 from .spec import build_model
 from .probes import ActivationProbe, PeakProbe, StepTimer, state_bytes
@@ -169,12 +169,31 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
                                         os.path.exists(os.path.join(resume_from, "meta.json"))):
         raise ValueError(f"resume_from={resume_from!r}: no complete checkpoint there (no "
                          f"'latest' file nor meta.json); pass a save_dir a run wrote into")
+    preflight(cfg)
     findings = check_config(cfg) if check else []
     run = launch(train_rank, cfg, live=live, pool=pool, resume_from=resume_from, **kw)
     if not block:
         run.findings = findings
         return run
     return TrainResult(cfg, run.metrics, run.returns[0], run, findings)
+
+
+def preflight(cfg):
+    """What the kernel can check of your model before any rank starts: the data fill a global
+    batch; and say when ddpkit turns the model's own checkpointing off (its KV cache, which
+    training never needs, goes off silently: `spec.prepare_for_training`)."""
+    import warnings
+
+    from .data import check_length
+
+    if cfg.builtin:
+        return
+    check_length(cfg, make_dataset(cfg))
+    info = cfg.info
+    if info.own_checkpointing:
+        warnings.warn(f"ddpkit: {info.name} has its own gradient checkpointing switched on; the "
+                      f"ranks turn it off and run TrainConfig.checkpoint={cfg.checkpoint!r} "
+                      f"({cfg.checkpointing.describe()})", stacklevel=3)
 
 
 def check_config(cfg):
@@ -195,19 +214,11 @@ def check_config(cfg):
 
 def recompute_flops_ratio(cfg):
     """FLOPs of one micro-batch's forward+backward under cfg's policy over those without
-    checkpointing, counted on one process with FlopCounterMode (no clock noise)."""
-    from .probes import count_flops
+    checkpointing, counted with FlopCounterMode (no clock noise) on the estimate's
+    FakeTensorMode model (no memory)."""
+    from .estimate import traced_flops
 
-    from .spec import compute_loss
-
-    batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
-    model = build_model(cfg)[0]
-
-    def flops(setting):
-        CheckpointPolicy.from_config(cfg, setting).apply(model, cfg.blocks_path)
-        return count_flops(lambda: compute_loss(model, batch, cfg.loss_fn).backward())
-
-    return flops(cfg.checkpoint) / flops(None)
+    return traced_flops(cfg, cfg.checkpoint) / traced_flops(cfg, None)
 
 
 def sweep(cfg: TrainConfig, pool=None, **grid):

@@ -242,7 +242,7 @@ def test_the_checked_model_is_left_as_it_was():
 def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match=r"checkpoint names \['nope'\] are not submodules of Plain"):
         doctor(Plain(), x(), checkpoint=["nope"])
-    with pytest.raises(ValueError, match=r"checkpoint=2 acts on model.blocks, and this Plain has none"):
+    with pytest.raises(ValueError, match=r"checkpoint=2 acts on repeated blocks, and this Plain has none"):
         doctor(Plain(), x(), checkpoint=2)
     with pytest.raises(TypeError, match=r"doctor\(model, example_input\): pass one example batch"):
         doctor(Plain())

@@ -1,0 +1,62 @@
+"""A user's own model, data and loss, importable by path (the CLI and torchrun take
+``--model tests.fixtures_module:make_model``), and small transformers models from configs."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    """A classifier with its blocks inside an nn.Sequential, called as a whole."""
+
+    def __init__(self, width=32, n_blocks=4, classes=5):
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.body = nn.Sequential(*(Block(width) for _ in range(n_blocks)))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.body(self.inp(x)))
+
+
+def make_model():
+    return Net()
+
+
+def make_data(cfg):
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(256, 16, generator=g)
+    y = (x[:, :5].argmax(dim=1))  # a learnable rule
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def make_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64,
+                                      n_positions=32, bos_token_id=0, eos_token_id=0,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def make_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        vocab_size=64, max_position_embeddings=32,
+                                        bos_token_id=0, eos_token_id=0, pad_token_id=0))
