@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -127,7 +128,11 @@ def activation_parts(cfg):
 
 
 def activation_bytes(cfg, checkpoint="config"):
+    """Predicted activation bytes of one micro-batch under a setting (the config's by default):
+    first principles for the built-in models, a FakeTensorMode trace for yours."""
     setting = cfg.checkpoint if checkpoint == "config" else checkpoint
+    if not cfg.builtin:
+        return trace_activations(cfg, setting)
     ends, block, boundary = activation_parts(cfg)
     total = ends
     for start, stop, on in segments_for(setting, cfg.n_blocks):
@@ -189,6 +194,7 @@ class _Traced:
 
         self.cfg = cfg
         self.mode = FakeTensorMode()
+        self.lock, self.memo = threading.RLock(), {}
         real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
         with self.mode, torch.random.fork_rng(devices=[]):
             self.model = build_model(cfg)[0].train()
@@ -200,16 +206,22 @@ class _Traced:
         self._per_block()
 
     def forward_bytes(self, setting, probe=None):
-        """Activation bytes one forward saves under ``setting``."""
+        """Activation bytes one forward saves under ``setting`` (memoised per setting)."""
         from .probes import ActivationProbe
         from .spec import compute_loss
         from .step import autocast_for
 
+        key = str(setting)
+        if probe is None and key in self.memo:
+            return self.memo[key]
         probe = probe or ActivationProbe()
-        CheckpointPolicy.from_config(self.cfg, setting).apply(self.model, self.cfg.blocks_path)
-        with self.mode, _as_real_for_transformers(self.batch), probe.forward(self.model), \
-                autocast_for(self.cfg.precision, "cpu"):
-            compute_loss(self.model, self.batch, self.cfg.loss_fn)
+        # one FakeTensorMode is not for two threads at once (the lab's plots and sliders)
+        with self.lock:
+            CheckpointPolicy.from_config(self.cfg, setting).apply(self.model, self.cfg.blocks_path)
+            with self.mode, _as_real_for_transformers(self.batch), probe.forward(self.model), \
+                    autocast_for(self.cfg.precision, "cpu"):
+                compute_loss(self.model, self.batch, self.cfg.loss_fn)
+        self.memo[key] = probe.bytes
         return probe.bytes
 
     def _per_block(self):
@@ -272,6 +284,7 @@ def _as_real_for_transformers(batch):
 
 
 _TRACES = {}
+_TRACES_LOCK = threading.Lock()
 
 
 def _trace_key(cfg):
@@ -284,12 +297,13 @@ def _trace_key(cfg):
 
 def _traced(cfg):
     key = _trace_key(cfg)
-    hit = _TRACES.get(key)
-    if hit is None or hit.cfg.model is not cfg.model or hit.cfg.data is not cfg.data:
-        if len(_TRACES) > 16:
-            _TRACES.clear()
-        hit = _TRACES[key] = _Traced(cfg)
-    return hit
+    with _TRACES_LOCK:
+        hit = _TRACES.get(key)
+        if hit is None or hit.cfg.model is not cfg.model or hit.cfg.data is not cfg.data:
+            if len(_TRACES) > 16:
+                _TRACES.clear()
+            hit = _TRACES[key] = _Traced(cfg)
+        return hit
 
 
 def traced_flops(cfg, setting):
@@ -299,9 +313,10 @@ def traced_flops(cfg, setting):
     from .spec import compute_loss
 
     t = _traced(cfg)
-    CheckpointPolicy.from_config(cfg, setting).apply(t.model, cfg.blocks_path)
-    with t.mode, _as_real_for_transformers(t.batch), FlopCounterMode(display=False) as counter:
-        compute_loss(t.model, t.batch, cfg.loss_fn).backward()
+    with t.lock:
+        CheckpointPolicy.from_config(cfg, setting).apply(t.model, cfg.blocks_path)
+        with t.mode, _as_real_for_transformers(t.batch), FlopCounterMode(display=False) as counter:
+            compute_loss(t.model, t.batch, cfg.loss_fn).backward()
     return counter.get_total_flops()
 
 

@@ -19,11 +19,12 @@ import time
 
 import ipywidgets as W
 
+from .blocks import block_names
 from .config import TrainConfig
 from .errors import RankError, RankStalled
 from .estimate import activation_bytes, estimate
 from .plots import MIB, LivePlots
-from .policies import checkpointed_blocks, parse_setting
+from .policies import CheckpointSetting
 
 FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"
 
@@ -67,8 +68,10 @@ class Lab:
             "no_sync": W.Checkbox(c.no_sync, description="no_sync"),
             "steps": W.BoundedIntText(c.steps, 1, 100_000, description="steps", style=style),
         }
-        self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint block {i}",
-                                             layout=W.Layout(width="44px")) for i in range(n)]
+        # one toggle per block the config found in the model (its full module name as tooltip)
+        self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint {name}",
+                                             layout=W.Layout(width="44px"))
+                              for i, name in enumerate(block_names(c.blocks_path, range(n)))]
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop",
                                     disabled=True)
@@ -120,7 +123,7 @@ class Lab:
         try:
             setting = cfg.checkpoint
             self.controls["segments"].value = setting if isinstance(setting, int) else 0
-            for t, on in zip(self.block_toggles, checkpointed_blocks(setting, cfg.n_blocks)):
+            for t, on in zip(self.block_toggles, cfg.checkpointing.mask):
                 t.value = on
             self._selective = isinstance(setting, (list, str))
         finally:
@@ -146,7 +149,7 @@ class Lab:
             self._selective = False
             self._syncing = True
             try:
-                mask = checkpointed_blocks(self.checkpoint_setting(), self.cfg.n_blocks)
+                mask = CheckpointSetting.of(self.checkpoint_setting(), self.cfg.n_blocks).mask
                 for t, on in zip(self.block_toggles, mask):
                     t.value = on
             finally:
@@ -195,7 +198,10 @@ class Lab:
         self.run_button.disabled = self.running
 
     def _show_torchrun(self):
-        self.torchrun_text.value = self.config().to_torchrun()
+        try:
+            self.torchrun_text.value = self.config().to_torchrun()
+        except ValueError as exc:  # a notebook-defined model has no import path
+            self.torchrun_text.value = str(exc)
         self.torchrun_text.layout.display = ""
 
     # ------------------------------------------------------------------ running
@@ -227,7 +233,7 @@ class Lab:
                                  f"padding:6px'><b>ddpkit.doctor</b><ul>{items}</ul></div>")
         self.output.clear_output()
         self.plots.new_run(cfg.world_size, predict=lambda rec: activation_bytes(
-            cfg, parse_setting(rec["checkpoint"])), label=f"run {len(self.history)}")
+            cfg, CheckpointSetting.parse(rec["checkpoint"], cfg.n_blocks).plain), label=f"run {len(self.history)}")
         self.progress.max, self.progress.value = cfg.steps, 0
         self._set_running(True)
         self._t0 = time.monotonic()

@@ -136,3 +136,32 @@ def test_the_lab_shows_doctor_findings_before_the_run():
         lab.run()
         assert "ddpkit.doctor" in lab.banner.value and "dropout_rng" in lab.banner.value
         assert lab.wait(timeout=120)["status"] == "ok"
+
+
+def test_lab_runs_a_transformers_model_with_its_own_blocks():
+    pytest.importorskip("transformers")
+    import fixtures_module as fm
+
+    cfg = ddpkit.TrainConfig(model=fm.make_gpt2, world_size=2, micro_batch=2, seq_len=16,
+                             steps=400, peak_every=50, backend="gloo", device="cpu")
+    with ddpkit.Lab(cfg, display=False) as lab:
+        # one toggle per detected block, named after the model's own modules
+        assert [t.tooltip for t in lab.block_toggles] == [
+            f"checkpoint transformer.h.{i}" for i in range(4)]
+        lab.run()
+        wait_for_steps(lab, 3)
+        lab.block_toggles[0].value = lab.block_toggles[2].value = True  # mid-run, per block
+        wanted = "[True, False, True, False]"  # the two clicks may land one or two steps apart
+        deadline = time.monotonic() + 30
+        while not any(m["checkpoint"] == wanted for m in list(lab.metrics)):
+            assert time.monotonic() < deadline, "the block toggles never reached the ranks"
+            time.sleep(0.005)
+        row = lab.stop()
+    assert row["status"] == "stopped"
+    by_step = {m["step"]: m for m in lab.metrics if m["rank"] == 0}
+    step = min(s for s, m in by_step.items() if m["checkpoint"] == wanted)
+    assert by_step[step]["changed"] == "checkpoint"
+    assert {m["checkpoint"] for m in lab.metrics if m["step"] == step} == {wanted}  # both ranks
+    assert by_step[step]["activation_bytes"] == ddpkit.estimate(
+        cfg.replace(checkpoint=[True, False, True, False])).activations
+    assert by_step[0]["activation_bytes"] == ddpkit.estimate(cfg).activations
