@@ -6,10 +6,12 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddpkit
 from ddpkit import devices
 from ddpkit.rank import Context, _plain, dumps_for_kernel
+from ddpkit.step import train_step
 
 
 def gpus(monkeypatch, n, capability=(8, 0)):
@@ -174,3 +176,39 @@ def test_a_pool_collects_the_last_jobs_garbage_before_the_next():
     with ddpkit.Pool(world_size=1, backend="gloo", device="cpu") as pool:
         assert pool.launch(leave_a_cycle).returns == [True]
         assert pool.launch(cycle_freed).returns == [True]
+
+
+# --- the loss is read once per optimizer step (fault 5)
+class CountItems(TorchDispatchMode):
+    """Counts aten._local_scalar_dense: every .item(), the op that waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+
+@pytest.mark.parametrize("accum_steps", [1, 4])
+def test_the_loss_is_read_once_per_step(accum_steps):
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(3, 4), torch.randn(3)) for _ in range(accum_steps)]
+    expected = sum(model(x, y).item() for x, y in batches) / accum_steps
+    with CountItems() as counter:
+        loss = train_step(model, opt, batches, accum_steps=accum_steps)
+    assert counter.reads == 1
+    assert loss == pytest.approx(expected, rel=1e-6)
