@@ -17,6 +17,9 @@ The choices (torch 2.13's ``distributed/distributed_c10d.py`` backs each):
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 BACKENDS = ("gloo", "nccl")
@@ -37,6 +40,12 @@ def cuda_gpus():
 
 
 def _capability(index):
+    return _read_capability(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_capability(index, visible):
+    """Cached per GPU: NVML's initialisation is not free, and configs are built often."""
     if not torch.cuda.is_initialized():
         try:
             return _nvml_capability(torch.cuda._get_nvml_device_index(index))
