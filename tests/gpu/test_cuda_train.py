@@ -22,6 +22,7 @@ def configs(gpus):
     out.update({f"activations_{s}": {**TINY, "checkpoint": s, "steps": 1} for s in (None, 2, "full")})
     out["peak"] = dict(TINY)
     out["shared"] = {**TINY, "world_size": gpus + 1, "device": "cuda", "precision": "fp16"}
+    out["shared_fsdp"] = {**out["shared"], "strategy": "fsdp", "optimizer": "adamw"}
     return out
 
 
@@ -71,3 +72,11 @@ def test_more_ranks_than_gpus_train_over_gloo_on_the_shared_gpus(capsys):
     assert {m["rank"] for m in res.metrics} == set(range(GPUS + 1))
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in res.metrics)
     assert all(v.device.type == "cpu" for v in res.state_dict.values())
+
+
+@needs_one
+def test_fsdp_runs_on_shared_gpus_over_gloo():
+    # FSDP2 needs all-gather and reduce-scatter of CUDA tensors from gloo: only a GPU can tell
+    res = ddpkit.train(ddpkit.TrainConfig(**CFG["shared_fsdp"]))
+    assert res.run.backend == "gloo"
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in res.metrics)
