@@ -36,7 +36,8 @@ def _plain(value):
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else _cpu_copy(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
+        items = [_plain(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if hasattr(value, "item") and getattr(value, "shape", None) == ():
