@@ -68,20 +68,21 @@ def under_torchrun():
 
 
 def _train_under_torchrun(args):
+    import torch
     import torch.distributed as dist
 
-    from .rank import Context, apply_job_state, capture_job_state
+    from .rank import Context, apply_job_state, capture_job_state, start_group
     from .train import train_rank
 
-    world = int(os.environ["WORLD_SIZE"])
+    ctx = Context.from_env(seed=args.seed, backend=args.backend, device=args.device)
+    if ctx.device.type == "cuda":
+        # before the config is built: its checks may ask CUDA, which must not pick GPU 0 here
+        torch.cuda.set_device(ctx.device)
     cfg = _config_from(args)
+    world = int(os.environ["WORLD_SIZE"])
     if cfg.world_size != world:  # torchrun decides the world size
         cfg = cfg.replace(world_size=world)
-    ctx = Context.from_env(seed=cfg.seed)
-    if ctx.device.type == "cuda":
-        import torch
-        torch.cuda.set_device(ctx.device)
-    dist.init_process_group(ctx.backend)
+    start_group(ctx.backend, ctx.device)
     apply_job_state(cfg.seed, capture_job_state())  # seeded as a spawned rank would be
     try:
         train_rank(ctx, cfg)

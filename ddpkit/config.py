@@ -215,8 +215,7 @@ class TrainConfig:
     def _check_devices(self):
         import os
 
-        import torch
-        from .launcher import resolve_devices
+        from .devices import check_bf16, resolve_devices
 
         # under torchrun the world spans machines: this machine runs only LOCAL_WORLD_SIZE ranks
         here = self.world_size
@@ -226,8 +225,8 @@ class TrainConfig:
         if self.precision == "fp16" and device != "cuda":
             raise ValueError("TrainConfig.precision='fp16' needs CUDA (GradScaler on CPU is a "
                              "no-op); on CPU pass precision='bf16' or 'fp32'")
-        if self.precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ValueError("TrainConfig.precision='bf16': this GPU has no bf16; pass 'fp16'")
+        if self.precision == "bf16" and device == "cuda":
+            check_bf16(here)
         if self.comm_hook == "bf16" and backend != "nccl":
             raise ValueError(f"TrainConfig.comm_hook='bf16': bf16_compress_hook needs CUDA and "
                              f"NCCL, this run uses {backend} (torch raises TypeError there); pass "

@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+from . import devices
 from . import rank as _rank
 from . import shipping
+from .devices import BACKENDS, resolve_devices  # noqa: F401  (resolve_devices: public here too)
 from .errors import RankError, RankStalled
 
 HOST = "127.0.0.1"
-BACKENDS = ("gloo", "nccl")
 _CONSEQUENCE_MARKERS = (
     "connection closed by peer", "connection reset", "broken pipe", "connection refused",
     "socket closed", "read error", "aborted", "remote process exited",
@@ -48,33 +49,6 @@ _LIVE = weakref.WeakSet()  # groups still holding processes; ended at interprete
 
 
 # ----------------------------------------------------------------------------- settings
-def resolve_devices(world_size, backend=None, device=None):
-    """Pick (backend, device_type) and refuse settings that cannot work, before spawning."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int, got {world_size!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size}: need at least 1 rank; pass world_size=1 or more")
-    if backend not in (None, *BACKENDS):
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass backend=None to choose")
-    if device not in (None, "cpu", "cuda"):
-        raise ValueError(f"device={device!r}: pass 'cpu', 'cuda' or None")
-    gpus = torch.cuda.device_count()  # does not initialise CUDA in the kernel
-    if device == "cuda" and gpus == 0 or backend == "nccl" and gpus == 0:
-        raise ValueError(f"{'backend=nccl' if backend == 'nccl' else 'device=cuda'}: this machine "
-                         f"has no visible CUDA GPU; pass backend=None, device='cpu' (gloo ranks)")
-    if backend is None:
-        backend = "nccl" if device != "cpu" and gpus >= world_size and gpus > 0 else "gloo"
-    if device is None:
-        device = "cuda" if backend == "nccl" else "cpu"
-    if backend == "nccl" and device != "cuda":
-        raise ValueError("backend='nccl' needs device='cuda'; for CPU ranks pass backend='gloo'")
-    if device == "cuda" and world_size > gpus:
-        raise ValueError(
-            f"world_size={world_size} is above the {gpus} visible CUDA GPU(s): ddpkit runs one "
-            f"process per GPU. Pass world_size<={gpus}, or backend='gloo', device='cpu' for CPU ranks")
-    return backend, device
-
-
 def check_picklable(fn, args, kwargs):
     """cloudpickle the job now, so an unpicklable object is named before any process starts."""
     if not callable(fn):
@@ -188,14 +162,21 @@ def _main_not_reimported():
 class _Group:
     """world_size spawned rank processes, their pipes and the kernel-side store."""
 
-    def __init__(self, world_size, backend, device, persistent, port=None, pg_timeout_s=120):
+    def __init__(self, world_size, backend, device, persistent, port=None, pg_timeout_s=120,
+                 deterministic=False):
         self.world_size, self.backend, self.device = world_size, backend, device
         self.persistent = persistent
+        self.deterministic = deterministic
+        note = devices.shared_note(world_size, backend, device)
+        if note:
+            print(note, flush=True)  # once per launch or pool, in the cell that started it
         self.store = _new_store(port)
         self.port = self.store.port
         threads = max(1, (os.cpu_count() or 1) // world_size)  # no oversubscription of cores
+        gpus = len(devices.cuda_gpus()) if device == "cuda" else 0
         spec = dict(host=HOST, port=self.port, backend=backend, device_type=device, threads=threads,
-                    persistent=persistent, pg_timeout_s=pg_timeout_s, ppid=os.getpid())
+                    persistent=persistent, pg_timeout_s=pg_timeout_s, ppid=os.getpid(), gpus=gpus,
+                    deterministic=deterministic)
         mp = tmp.get_context("spawn")
         self.procs, self.conns = [], []
         self.closed = False
@@ -507,7 +488,7 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
     backend, device = resolve_devices(world_size, backend, device)
     job = _make_job(fn, args, kwargs, seed, stall_timeout_s)
     group = _Group(world_size, backend, device, persistent=False, port=port,
-                   pg_timeout_s=_collective_timeout(stall_timeout_s))
+                   pg_timeout_s=job["pg_timeout_s"], deterministic=job["flags"]["deterministic"])
     handle = RunHandle(group, job, on_metric=on_metric, on_output=on_output,
                        stall_timeout_s=stall_timeout_s, owns_group=True)
     return handle.wait() if block else handle
@@ -539,7 +520,10 @@ def _make_job(fn, args, kwargs, seed, stall_timeout_s):
     if not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     payload = check_picklable(fn, args, kwargs)
-    return {"payload": payload, "seed": seed, "flags": _rank.capture_job_state()}
+    # the collective timeout travels with each job: a pool's ranks serve jobs of any
+    # stall_timeout_s, and torch's own timeout must never fire before ddpkit's watchdog
+    return {"payload": payload, "seed": seed, "flags": _rank.capture_job_state(),
+            "pg_timeout_s": _collective_timeout(stall_timeout_s)}
 
 
 class Pool:
@@ -560,14 +544,20 @@ class Pool:
         self._lock = threading.Lock()
         self._ensure_group()
 
-    def _ensure_group(self):
-        if self._group is None or not self._group.alive():
+    def _ensure_group(self, deterministic=None):
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        # CUDA reads CUBLAS_WORKSPACE_CONFIG when it initialises, which a pool's ranks did at
+        # start: a deterministic job on ranks started without it needs fresh ranks
+        stale = (self._group is not None and self.device == "cuda" and deterministic
+                 and not self._group.deterministic)
+        if self._group is None or stale or not self._group.alive():
             if self._group is not None:
-                self._group.close()
-            # a pool serves jobs with any stall_timeout_s: torch's own collective timeout stays
-            # well above the default watchdog's (300 s)
+                self._group.close(graceful=stale)
+            # each job sets its own collective timeout (rank._run_job); this one covers start-up
             self._group = _Group(self.world_size, self.backend, self.device, persistent=True,
-                                 port=self._port, pg_timeout_s=_collective_timeout(300.0))
+                                 port=self._port, pg_timeout_s=_collective_timeout(300.0),
+                                 deterministic=deterministic)
 
     @property
     def busy(self):
@@ -581,7 +571,7 @@ class Pool:
             if self.busy:
                 raise RuntimeError("this pool is already running a job; wait() or stop() it "
                                    "before launching another (one run at a time per pool)")
-            self._ensure_group()
+            self._ensure_group(job["flags"]["deterministic"])
             self._handle = RunHandle(self._group, job, on_metric=on_metric, on_output=on_output,
                                      stall_timeout_s=stall_timeout_s, owns_group=False)
         return self._handle.wait() if block else self._handle

@@ -27,16 +27,52 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import shipping
+from . import devices, shipping
 
 
 def _plain(value):
-    """Turn 0-d tensors and numpy scalars into Python numbers so records pickle small."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
+    """Turn one-element tensors and numpy scalars into Python numbers so records pickle small;
+    other tensors become CPU copies (see `_cpu_copy`), inside lists, tuples and dicts too."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else _cpu_copy(value)
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     if hasattr(value, "item") and getattr(value, "shape", None) == ():
         return value.item()
     return value
+
+
+def _cpu_copy(t):
+    """A CPU tensor for the kernel. Records travel through multiprocessing's pickler, for which
+    torch.multiprocessing registers CUDA IPC (``multiprocessing/reductions.py``: the kernel would
+    map this rank's GPU memory, valid only while the rank lives); a pickled CUDA tensor is rebuilt
+    on ``cuda:r`` (``storage.py``: ``torch.save`` keeps its device), so the kernel would use a GPU."""
+    if t.device.type == "cpu":
+        return t
+    out = t.detach().cpu()
+    return out.requires_grad_() if t.requires_grad and t.is_leaf else out
+
+
+class _CpuPickler(cloudpickle.CloudPickler):
+    """cloudpickle that sends every plain tensor as its CPU copy, wherever it sits in the value
+    (a Parameter pickles its ``.data``, a plain tensor, so it is moved too)."""
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and obj.device.type != "cpu":
+            return _cpu_copy(obj).__reduce_ex__(self.proto)
+        return super().reducer_override(obj)
+
+
+def dumps_for_kernel(value):
+    """Pickle a rank's return value with every tensor on CPU."""
+    import io
+
+    buf = io.BytesIO()
+    _CpuPickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
+    return buf.getvalue()
 
 
 def format_record(record):
@@ -85,14 +121,19 @@ class Context:
         self.records = []  # kept here only when there is no kernel to send them to (torchrun)
 
     @classmethod
-    def from_env(cls, seed=0):
-        """A Context for a process started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK set)."""
+    def from_env(cls, seed=0, backend=None, device=None):
+        """A Context for a process started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK set);
+        ``backend`` and ``device`` as in `ddpkit.launch`."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", rank))
-        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local
-        backend = "nccl" if use_cuda else "gloo"
-        device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-        return cls(rank, world, local, device, backend, seed)
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        # the choice a spawned run of this machine's ranks gets, so every rank agrees on it
+        backend, kind = devices.resolve_devices(here, backend, device)
+        if kind == "cuda":
+            place = torch.device("cuda", devices.rank_gpu(local, len(devices.cuda_gpus())))
+        else:
+            place = torch.device("cpu")
+        return cls(rank, world, local, place, backend, seed)
 
     def log(self, **fields):
         """Send one record (a flat dict of numbers/strings) to the kernel, now."""
@@ -146,7 +187,9 @@ class Context:
         return fresh
 
     def _flag_device(self):
-        return self.device if self.backend == "nccl" else torch.device("cpu")
+        # every group ddpkit starts has gloo for CPU tensors (devices.group_backend): a CPU flag
+        # needs no device-to-host copy to read
+        return torch.device("cpu")
 
 
 def apply_job_state(seed, flags):
@@ -177,12 +220,53 @@ def capture_job_state():
     }
 
 
-def init_group(rank, world_size, backend, host, port, timeout_s):
+def init_group(rank, world_size, backend, host, port, timeout_s, device=None):
     """Join the kernel's TCPStore and bring the process group up."""
     store = dist.TCPStore(host, port, world_size, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    start_group(backend, device, store=store, rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=timeout_s))
+
+
+def start_group(backend, device, **kwargs):
+    """``init_process_group`` for a rank on ``device``, spawned or under torchrun.
+
+    NCCL ranks pass ``device_id``: barriers then know their GPU (without it, every
+    ``dist.barrier()`` warns "using the device under current context", distributed_c10d.py
+    ``barrier``), and NCCL connects during start-up (``eager_connect_single_device``), so an NCCL
+    hang shows as a start-up stall rather than in the first collective.
+    """
+    bound = device if backend == "nccl" else None
+    dist.init_process_group(devices.group_backend(backend), device_id=bound, **kwargs)
+
+
+def set_collective_timeout(seconds):
+    """Change the group's collective timeout (gloo's, and NCCL's watchdog) for the next job."""
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
+def _place(rank, spec):
+    """This rank's device. With shared GPUs, ranks take them round-robin."""
+    if spec["device_type"] != "cuda":
+        return torch.device("cpu")
+    seen = torch.cuda.device_count()
+    if not torch.cuda.is_available() or seen < spec["gpus"]:
+        raise RuntimeError(
+            f"the kernel saw {spec['gpus']} CUDA GPU(s), this rank sees {seen}: CUDA_VISIBLE_DEVICES "
+            f"changed after the kernel first asked. Restart the kernel, or pass device='cpu'")
+    device = torch.device("cuda", devices.rank_gpu(rank, spec["gpus"]))
+    torch.cuda.set_device(device)
+    return device
+
+
+def _release_memory(device):
+    """Between a pool's jobs: free the last job's reference cycles and cached CUDA blocks, so the
+    next job's peak_bytes is its own."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def destroy_group():
@@ -284,16 +368,23 @@ def rank_main(rank, world_size, conn, spec):
     torch.set_num_threads(spec["threads"])
     ctx, code = None, 0
     try:
-        if spec["device_type"] == "cuda":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            device = torch.device("cpu")
+        if spec["deterministic"]:
+            # cuBLAS is deterministic only with this set before CUDA initialises (torch's
+            # testing/_internal/common_utils.py notes it); a user's own value is kept
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        device = _place(rank, spec)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           MASTER_ADDR=spec["host"], MASTER_PORT=str(spec["port"]))
         init_group(rank, world_size, spec["backend"], spec["host"], spec["port"],
-                   spec["pg_timeout_s"])
+                   spec["pg_timeout_s"], device)
+        timeout_s = spec["pg_timeout_s"]
         ctx = Context(rank, world_size, rank, device, spec["backend"], channel=channel)
+        if spec["persistent"]:
+            # what exists now (torch, the group) lives as long as the rank: left out of the
+            # collection between jobs, which then takes microseconds instead of ~75 ms
+            import gc
+            gc.collect()
+            gc.freeze()
         channel.send("ready")
         while True:
             msg = conn.recv()
@@ -301,10 +392,14 @@ def rank_main(rank, world_size, conn, spec):
                 continue  # a setting sent too late for the job it was meant for
             if msg[0] != "job":
                 break  # "close": the pool is shutting down
+            if msg[1]["pg_timeout_s"] != timeout_s:
+                timeout_s = msg[1]["pg_timeout_s"]
+                set_collective_timeout(timeout_s)
             ok = _run_job(ctx, channel, output, msg[1])
             code = 0 if ok else 1
             if not ok or not spec["persistent"]:
                 break
+            _release_memory(device)
     except BaseException as exc:  # init failed, or the kernel closed the pipe
         if not isinstance(exc, EOFError):
             channel.send("error", _error_payload(exc, ctx, "init"))
@@ -332,7 +427,7 @@ def _run_job(ctx, channel, output, job):
         channel.send("started")
         value = fn(ctx, *args, **kwargs)
         try:
-            blob = cloudpickle.dumps(value)
+            blob = dumps_for_kernel(value)
         except Exception as exc:
             raise TypeError(f"rank {ctx.rank} returned a {type(value).__name__} that cannot be "
                             f"pickled ({exc}); return plain data (numbers, dicts, CPU tensors)") from exc

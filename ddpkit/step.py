@@ -60,7 +60,8 @@ def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, pr
     A micro-batch is any batch; ``loss_fn(model, batch)`` makes its loss (None: `compute_loss`'s
     conventions, e.g. ``model(*batch)`` for the built-in models' ``(x, y)``).
     """
-    total = 0.0
+    # summed on the device, read once per step; float64 as the Python float it replaces
+    total = torch.zeros((), dtype=torch.float64, device=device)
     batches = list(micro_batches)
     if len(batches) != accum_steps:
         raise ValueError(f"got {len(batches)} micro-batches for accum_steps={accum_steps}")
@@ -71,7 +72,8 @@ def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, pr
             probe = activation_probe.forward(inner or model) if activation_probe else nullcontext()
             with probe, autocast_for(precision, device):
                 loss = compute_loss(model, to_device(batch, device), loss_fn)
-            total += loss.detach().float().item()
+            # no .item() here: on CUDA it would wait for the forward before queuing the backward
+            total += loss.detach().double()
             # scale the loss to account for gradient accumulation: grads add up over micro-batches
             scaled = loss / accum_steps if scale_loss else loss
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -82,7 +84,7 @@ def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, pr
         optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    return total / accum_steps
+    return total.item() / accum_steps  # the step's one device-to-host sync
 
 
 def zero_grad(optimizer):

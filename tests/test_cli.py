@@ -122,6 +122,6 @@ def test_under_torchrun_devices_are_checked_against_this_machine_only(monkeypatc
     # a 4-node job with 2 ranks here: world_size 8 must not be refused for lack of 8 local ranks
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setattr("ddpkit.devices.cuda_gpus", lambda: [(8, 0)] * 2)
     cfg = ddpkit.TrainConfig(world_size=8, backend="nccl", device="cuda")
     assert cfg.world_size == 8

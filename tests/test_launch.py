@@ -142,7 +142,7 @@ def test_unpicklable_argument_is_refused_before_any_process_starts():
 
 
 def test_every_rank_returns_and_records_carry_rank():
-    res = ddpkit.launch(allreduce_work, 2.0, world_size=2)
+    res = ddpkit.launch(allreduce_work, 2.0, world_size=2, backend="gloo", device="cpu")
     assert [r["rank"] for r in res.returns] == [0, 1]
     assert all(r["sum"] == 6.0 for r in res.returns)  # (1 + 2) * 2: a real all-reduce happened
     assert [r["main"] for r in res.returns] == [True, False]
@@ -318,9 +318,10 @@ def test_pool_launch_is_much_faster_than_cold():
     (dict(stall_timeout_s=-1), ValueError, r"stall_timeout_s=-1"),
 ])
 def test_bad_settings_are_refused_before_spawning(kwargs, exc, pattern):
-    if kwargs.get("backend") == "nccl" and torch.cuda.device_count() >= 1:
-        kwargs["world_size"] = torch.cuda.device_count() + 1
-        pattern = r"is above the \d+ visible CUDA GPU"
+    gpus = len(ddpkit.devices.cuda_gpus())
+    if kwargs.get("backend") == "nccl" and gpus >= 1:
+        kwargs["world_size"] = gpus + 1
+        pattern = r"is above the \d+ visible CUDA GPU.*NCCL runs one process per GPU"
     before = len(rank_children())
     with pytest.raises(exc, match=pattern):
         ddpkit.launch(pid_work, **kwargs)
@@ -333,16 +334,19 @@ def test_non_callable_is_refused():
 
 
 def deterministic_flag(ctx):
-    return torch.are_deterministic_algorithms_enabled()
+    return torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")
 
 
-def test_determinism_flags_are_carried_into_ranks():
-    assert ddpkit.launch(deterministic_flag, world_size=1).returns == [False]
+def test_determinism_flags_are_carried_into_ranks(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert ddpkit.launch(deterministic_flag, world_size=1).returns == [(False, None)]
     torch.use_deterministic_algorithms(True)
     try:
-        assert ddpkit.launch(deterministic_flag, world_size=1).returns == [True]
+        # cuBLAS reads the variable when CUDA starts, so the rank sets it before its device
+        assert ddpkit.launch(deterministic_flag, world_size=1).returns == [(True, ":4096:8")]
     finally:
         torch.use_deterministic_algorithms(False)
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # the kernel's environment is untouched
 
 
 def unterminated_print(ctx):

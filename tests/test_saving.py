@@ -9,8 +9,10 @@ import torch
 import ddpkit
 from ddpkit import saving
 
+# pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
+CPU = dict(backend="gloo", device="cpu")
 BASE = dict(model="gpt", n_blocks=2, width=32, seq_len=16, world_size=2, micro_batch=4,
-            accum_steps=2, optimizer="adamw", lr=3e-3, warmup_steps=3, dropout=0.1, steps=10)
+            accum_steps=2, optimizer="adamw", lr=3e-3, warmup_steps=3, dropout=0.1, steps=10, **CPU)
 
 
 def losses(res):
@@ -24,7 +26,7 @@ def max_diff(a, b):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_resume_is_exact(tmp_path, strategy):
     cfg = ddpkit.TrainConfig(**BASE, strategy=strategy)
-    with ddpkit.Pool(world_size=2) as pool:
+    with ddpkit.Pool(world_size=2, **CPU) as pool:
         straight = ddpkit.train(cfg, pool=pool)
         half = cfg.replace(steps=5, save_every=5, save_dir=str(tmp_path))
         first = ddpkit.train(half, pool=pool)
@@ -57,7 +59,7 @@ def test_resume_from_an_empty_folder_is_refused(tmp_path):
 def test_a_rank_killed_mid_run_leaves_the_last_complete_checkpoint(tmp_path):
     cfg = ddpkit.TrainConfig(**{**BASE, "steps": 400, "save_every": 3, "save_dir": str(tmp_path),
                                 "dropout": 0.0, "warmup_steps": 0})
-    with ddpkit.Pool(world_size=2) as pool:
+    with ddpkit.Pool(world_size=2, **CPU) as pool:
         victim = pool.pids[1]
         handle = ddpkit.train(cfg, pool=pool, block=False)
         deadline = time.monotonic() + 60

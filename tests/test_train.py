@@ -6,13 +6,15 @@ import ddpkit
 from ddpkit.estimate import activation_bytes, estimate, param_count
 from ddpkit.models import build_model
 
+# pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
+CPU = dict(backend="gloo", device="cpu")
 TINY = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accum_steps=2,
-            optimizer="sgd", precision="fp32", steps=3, seed=0)
+            optimizer="sgd", precision="fp32", steps=3, seed=0, **CPU)
 
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2) as p:
+    with ddpkit.Pool(world_size=2, **CPU) as p:
         yield p
 
 
@@ -59,7 +61,8 @@ def test_state_dict_is_rank_zero_weights_without_module_prefix(pool):
 
 def test_gpt_trains_and_loss_falls(pool):
     cfg = ddpkit.TrainConfig(model="gpt", n_blocks=2, width=32, seq_len=16, world_size=2,
-                             micro_batch=8, steps=12, optimizer="adamw", lr=3e-3, checkpoint=2)
+                             micro_batch=8, steps=12, optimizer="adamw", lr=3e-3, checkpoint=2,
+                             **CPU)
     losses = ddpkit.train(cfg, pool=pool).per_rank("loss")
     assert losses[-1] < losses[0] * 0.9
 
@@ -82,7 +85,7 @@ def test_no_sync_cuts_allreduces_by_the_accumulation_factor(pool):
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_activation_bytes_fall_with_segments_as_estimated(pool, model):
     base = ddpkit.TrainConfig(model=model, n_blocks=4, width=32, seq_len=16, world_size=2,
-                              micro_batch=2, steps=1)
+                              micro_batch=2, steps=1, **CPU)
     measured = {}
     for setting in (None, 2, 4, "full"):
         res = ddpkit.train(base.replace(checkpoint=setting), pool=pool)
@@ -159,7 +162,6 @@ def test_bad_config_names_the_field_and_the_fix(changes, pattern):
         ddpkit.TrainConfig(**{**TINY, **changes})
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal of fp16")
 def test_fp16_on_cpu_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"precision='fp16' needs CUDA.*pass precision='bf16' or 'fp32'"):
         ddpkit.TrainConfig(**{**TINY, "precision": "fp16"})

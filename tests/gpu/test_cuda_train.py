@@ -1,34 +1,82 @@
-"""CUDA paths of the training engine: NCCL ranks, fp16 + GradScaler, CUDA peak memory.
-Skipped, with the reason, where there are not enough GPUs."""
+"""CUDA paths of the training engine: NCCL ranks, fp16 + GradScaler, CUDA peak memory, shared GPUs.
+Skipped, with the reason, where there are not enough GPUs. `test_every_config_here_builds_on_cpu`
+runs everywhere: it builds each config these tests train, with the GPUs substituted."""
 import pytest
 import torch
 
 import ddpkit
+from ddpkit import devices
 from ddpkit.estimate import estimate
 
-GPUS = torch.cuda.device_count()
-pytestmark = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs (NCCL, one process per GPU); this machine has {GPUS}")
+GPUS = len(devices.cuda_gpus())
+needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs (NCCL, one process per GPU); this machine has {GPUS}")
+needs_one = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU, this machine has none")
 
 TINY = dict(model="gpt", n_blocks=4, width=64, seq_len=32, world_size=2, micro_batch=4,
             accum_steps=2, steps=3)
 
 
+def configs(gpus):
+    """Every config the tests below train, by name, for a machine with ``gpus`` GPUs."""
+    out = {f"nccl_{p}": {**TINY, "precision": p, "checkpoint": 2} for p in ("fp32", "bf16", "fp16")}
+    out.update({f"activations_{s}": {**TINY, "checkpoint": s, "steps": 1} for s in (None, 2, "full")})
+    out["peak"] = dict(TINY)
+    out["shared"] = {**TINY, "world_size": gpus + 1, "device": "cuda", "precision": "fp16"}
+    out["shared_fsdp"] = {**out["shared"], "strategy": "fsdp", "optimizer": "adamw"}
+    return out
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_every_config_here_builds_on_cpu(monkeypatch, gpus):
+    monkeypatch.setattr(devices, "cuda_gpus", lambda: [(9, 0)] * gpus)
+    for name, kw in configs(gpus).items():
+        cfg = ddpkit.TrainConfig(**kw)
+        want = ("gloo", "cuda") if cfg.world_size > gpus else ("nccl", "cuda")
+        assert devices.resolve_devices(cfg.world_size, cfg.backend, cfg.device) == want, name
+
+
+CFG = configs(GPUS)
+
+
+@needs_two
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_trains_on_nccl_in_every_precision(precision):
-    res = ddpkit.train(ddpkit.TrainConfig(**TINY, precision=precision, checkpoint=2))
+    if precision == "bf16" and min(devices.cuda_gpus()[:2]) < devices.BF16_CAPABILITY:
+        pytest.skip(f"bf16 needs compute capability 8.0; this GPU has {devices.cuda_gpus()[0]}")
+    res = ddpkit.train(ddpkit.TrainConfig(**CFG[f"nccl_{precision}"]))
     assert res.run.backend == "nccl"
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in res.metrics)
 
 
+@needs_two
 def test_cuda_peak_is_max_memory_allocated_every_step():
-    res = ddpkit.train(ddpkit.TrainConfig(**TINY))
+    res = ddpkit.train(ddpkit.TrainConfig(**CFG["peak"]))
     est = estimate(res.config)
     assert all("peak_bytes" in m for m in res.metrics)  # free on CUDA: probed every step
     assert all(m["peak_bytes"] >= est.params + est.grads for m in res.metrics)
 
 
-def test_activation_bytes_match_the_estimate_on_cuda():
-    for setting in (None, 2, "full"):
-        res = ddpkit.train(ddpkit.TrainConfig(**TINY, checkpoint=setting, steps=1))
-        predicted = estimate(res.config).activations
-        assert abs(res.metrics[0]["activation_bytes"] - predicted) <= 0.10 * predicted
+@needs_two
+@pytest.mark.parametrize("setting", [None, 2, "full"])
+def test_activation_bytes_match_the_estimate_on_cuda(setting):
+    res = ddpkit.train(ddpkit.TrainConfig(**CFG[f"activations_{setting}"]))
+    predicted = estimate(res.config).activations
+    assert abs(res.metrics[0]["activation_bytes"] - predicted) <= 0.10 * predicted
+
+
+@needs_one
+def test_more_ranks_than_gpus_train_over_gloo_on_the_shared_gpus(capsys):
+    res = ddpkit.train(ddpkit.TrainConfig(**CFG["shared"]))
+    assert (res.run.backend, res.run.device) == ("gloo", "cuda")
+    assert "share" in capsys.readouterr().out
+    assert {m["rank"] for m in res.metrics} == set(range(GPUS + 1))
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in res.metrics)
+    assert all(v.device.type == "cpu" for v in res.state_dict.values())
+
+
+@needs_one
+def test_fsdp_runs_on_shared_gpus_over_gloo():
+    # FSDP2 needs all-gather and reduce-scatter of CUDA tensors from gloo: only a GPU can tell
+    res = ddpkit.train(ddpkit.TrainConfig(**CFG["shared_fsdp"]))
+    assert res.run.backend == "gloo"
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in res.metrics)

@@ -30,7 +30,7 @@ CASES = [
     # launch / Pool
     ("launch", lambda: ddpkit.launch(work, world_size=0), ValueError, r"world_size=0: need at least 1 rank; pass world_size=1"),
     ("launch", lambda: ddpkit.launch(work, world_size=2.5), TypeError, r"world_size must be an int"),
-    ("launch", lambda: ddpkit.launch(work, world_size=2, backend="nccl"), ValueError, r"nccl.*(no visible CUDA GPU|above the \d+ visible)"),
+    ("launch", lambda: ddpkit.launch(work, world_size=64, backend="nccl"), ValueError, r"nccl.*(no visible CUDA GPU|above the \d+ visible)"),
     ("launch", lambda: ddpkit.launch(work, device="tpu"), ValueError, r"device='tpu': pass 'cpu', 'cuda' or None"),
     ("launch", lambda: ddpkit.launch("work"), TypeError, r"launch\(\) needs a function"),
     ("launch", lambda: ddpkit.launch(work, threading.Lock()), TypeError, r"argument 1 \(lock\) cannot be sent to the ranks.*create it inside the function"),
@@ -50,7 +50,7 @@ CASES = [
     ("TrainConfig", lambda: ddpkit.TrainConfig(accum_steps=-3), ValueError, r"TrainConfig.accum_steps=-3"),
     ("TrainConfig", lambda: ddpkit.TrainConfig(micro_batch="4"), ValueError, r"TrainConfig.micro_batch='4': must be an int"),
     ("TrainConfig", lambda: ddpkit.TrainConfig(world_size=0), ValueError, r"TrainConfig.world_size=0: needs at least 1"),
-    ("TrainConfig", lambda: ddpkit.TrainConfig(device="cuda"), ValueError, r"(no visible CUDA GPU|above the \d+ visible)"),
+    ("TrainConfig", lambda: ddpkit.TrainConfig(world_size=64, backend="nccl"), ValueError, r"(no visible CUDA GPU|above the \d+ visible)"),
     ("TrainConfig", lambda: ddpkit.TrainConfig(steps=0), ValueError, r"TrainConfig.steps=0: must be a positive int; pass steps=1"),
     ("TrainConfig", lambda: ddpkit.TrainConfig(lr=0), ValueError, r"TrainConfig.lr=0: must be > 0"),
     ("TrainConfig", lambda: ddpkit.TrainConfig(dropout=1.0), ValueError, r"TrainConfig.dropout=1.0: must be in \[0, 1\)"),

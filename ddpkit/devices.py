@@ -1,0 +1,138 @@
+"""Where ranks run: the backend and device choice, made in the kernel before any process starts.
+
+Every question to CUDA goes through `cuda_gpus()`, so a test can hand in any GPU count and
+capability on a CPU-only machine. It asks without creating a CUDA context in the kernel: the
+count the way torch does (``torch.cuda.device_count`` reads NVML before CUDA is initialised),
+the capability from NVML too, falling back to torch only where NVML cannot answer.
+
+The choices (torch 2.13's ``distributed/distributed_c10d.py`` backs each):
+
+* ``nccl`` when there is a GPU per rank. NCCL serves only CUDA tensors
+  (``Backend.backend_capability["nccl"] == ["cuda"]``), so the group is brought up as
+  ``"cpu:gloo,cuda:nccl"``: CPU tensors, barriers and object collectives go over gloo.
+* gloo on shared GPUs when there are fewer GPUs than ranks: NCCL cannot put two ranks on one
+  GPU, gloo carries CUDA tensors (``backend_capability["gloo"] == ["cpu", "cuda"]``). Ranks take
+  the GPUs round-robin. It shows DDP's behaviour, not its speed.
+* gloo on CPU where there is no usable GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BACKENDS = ("gloo", "nccl")
+BF16_CAPABILITY = (8, 0)  # Ampere: native bf16; torch emulates it (slowly) below
+
+
+def cuda_gpus():
+    """Compute capability ``(major, minor)`` of each GPU a rank started from here would see.
+
+    Empty when CUDA cannot run here. Both torch questions are needed: NVML can count GPUs that
+    the CUDA runtime cannot use (a driver older than torch's CUDA), and ``is_available()`` alone
+    says nothing about how many. Neither creates a CUDA context (``torch/cuda/__init__.py``:
+    ``is_available`` is ``cudaGetDeviceCount``; ``device_count`` uses NVML before init).
+    """
+    if not torch.cuda.is_available():
+        return []
+    return [_capability(i) for i in range(torch.cuda.device_count())]
+
+
+def _capability(index):
+    return _read_capability(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_capability(index, visible):
+    """Cached per GPU: NVML's initialisation is not free, and configs are built often."""
+    if not torch.cuda.is_initialized():
+        try:
+            return _nvml_capability(torch.cuda._get_nvml_device_index(index))
+        except Exception:  # no NVML (or MIG UUIDs): ask the runtime instead
+            pass
+    # initialises torch's CUDA state in this process (harmless here: ranks are spawned)
+    return torch.cuda.get_device_capability(index)
+
+
+def _nvml_capability(nvml_index):
+    """NVML's ``nvmlDeviceGetCudaComputeCapability``, loaded as torch loads NVML to count GPUs
+    (``torch.cuda._raw_device_count_nvml``)."""
+    from ctypes import CDLL, byref, c_int, c_void_p
+
+    nvml = CDLL("libnvidia-ml.so.1")
+    handle, major, minor = c_void_p(), c_int(), c_int()
+    if (nvml.nvmlInit() or nvml.nvmlDeviceGetHandleByIndex_v2(nvml_index, byref(handle))
+            or nvml.nvmlDeviceGetCudaComputeCapability(handle, byref(major), byref(minor))):
+        raise RuntimeError("NVML could not tell the compute capability")
+    return major.value, minor.value
+
+
+def resolve_devices(world_size, backend=None, device=None):
+    """Pick (backend, device_type) and refuse settings that cannot work, before spawning."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: need at least 1 rank; pass world_size=1 or more")
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass backend=None to choose")
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device={device!r}: pass 'cpu', 'cuda' or None")
+    gpus = len(cuda_gpus())
+    if device == "cuda" and gpus == 0 or backend == "nccl" and gpus == 0:
+        raise ValueError(f"{'backend=nccl' if backend == 'nccl' else 'device=cuda'}: this machine "
+                         f"has no visible CUDA GPU; pass backend=None, device='cpu' (gloo ranks)")
+    if backend == "nccl" and device == "cpu":
+        raise ValueError("backend='nccl' needs device='cuda'; for CPU ranks pass backend='gloo'")
+    if backend == "nccl" and world_size > gpus:
+        raise ValueError(
+            f"backend='nccl': world_size={world_size} is above the {gpus} visible CUDA GPU(s) and "
+            f"NCCL runs one process per GPU. Pass world_size<={gpus}, or backend=None (or "
+            f"'gloo') with device='cuda' to share the GPU(s) between ranks over gloo")
+    if device is None:  # an explicit backend='gloo' means CPU ranks unless device='cuda'
+        device = "cuda" if gpus and backend != "gloo" else "cpu"
+    if backend is None:
+        backend = "nccl" if device == "cuda" and world_size <= gpus else "gloo"
+    return backend, device
+
+
+def gpus_shared(world_size, backend, device):
+    """True when several ranks share one GPU (gloo, more ranks than GPUs)."""
+    return device == "cuda" and backend == "gloo" and world_size > len(cuda_gpus())
+
+
+def shared_note(world_size, backend, device):
+    """The line said once when a run shares GPUs, or None."""
+    if not gpus_shared(world_size, backend, device):
+        return None
+    gpus = len(cuda_gpus())
+    return (f"ddpkit: {world_size} ranks share {gpus} GPU(s) round-robin over gloo (NCCL needs one "
+            f"GPU per rank). This shows DDP's behaviour, not its speed; peak_bytes is each "
+            f"rank's own CUDA memory on the shared device.")
+
+
+def group_backend(backend):
+    """The backend string for ``init_process_group``. NCCL has no CPU backend, so a plain
+    ``"nccl"`` group fails every CPU collective with "No backend type associated with device
+    type cpu": pair it with gloo for CPU tensors, barriers and object collectives."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def rank_gpu(rank, gpus):
+    """The GPU index of a rank: its own with one per GPU, round-robin when they share."""
+    return rank % gpus
+
+
+def check_bf16(world_size):
+    """Refuse bf16 on GPUs without native bf16 (compute capability below 8.0).
+
+    ``torch.cuda.is_bf16_supported()`` is no guide: it defaults to ``including_emulation=True``
+    (true on T4/V100, where bf16 is emulated) and creates a CUDA context in the kernel to find out.
+    """
+    caps = cuda_gpus()
+    used = sorted({caps[rank_gpu(r, len(caps))] for r in range(world_size)})
+    if used and used[0] < BF16_CAPABILITY:
+        raise ValueError(
+            f"TrainConfig.precision='bf16': this GPU (compute capability "
+            f"{used[0][0]}.{used[0][1]}) has no native bf16, which needs 8.0 (Ampere) or newer; "
+            f"pass precision='fp16' (with GradScaler) or 'fp32'")
