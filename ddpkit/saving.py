@@ -10,7 +10,8 @@ Layout of ``save_dir``::
 
 Every file is written to a temp file, fsynced and renamed. ``latest`` moves only after every rank
 has written its part and met at a barrier, so a crash mid-save (a rank killed) leaves the previous
-checkpoint as the latest and a half-written folder that nothing points at.
+checkpoint as the latest and a half-written folder that nothing points at. A write that fails (a
+full disk) removes its temp file and ends the run with an error naming the rank, file and cause.
 
 Loading runs no code from the folder: a checkpoint may come from a shared drive or a workshop
 handout. Every ``.pt`` holds only tensors, plain containers, numbers and strings (RNG states
@@ -20,6 +21,7 @@ checked first (`check_resume` in the kernel before any rank starts, again in eac
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -32,13 +34,14 @@ import torch
 import torch.distributed as dist
 
 LATEST = "latest"
+_TEMP_PREFIX = ".tmp-"
 
 
 def atomic_write_bytes(path, data: bytes):
     """Temp file beside ``path``, fsync, rename (then fsync the folder): a reader sees the old
     file or the new one, never half of one."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.name)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX, suffix=path.name)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -61,6 +64,26 @@ def atomic_torch_save(obj, path):
     buf = io.BytesIO()
     torch.save(obj, buf)
     atomic_write_bytes(path, buf.getvalue())
+
+
+@contextlib.contextmanager
+def _writing(ctx, path):
+    """A failed write (a full disk: ENOSPC) says which rank, which file and why; the run's
+    error then reads ``rank 1 failed ...: OSError: [Errno 28] rank 1 could not write ...``."""
+    try:
+        yield
+    except OSError as exc:
+        text = f"rank {ctx.rank} could not write checkpoint file {path}: {exc.strerror or exc}"
+        raise (OSError(exc.errno, text) if exc.errno else OSError(text)) from exc
+
+
+def remove_temp_files(save_dir):
+    """Temp files of writers that were killed mid-write (SIGKILL runs no cleanup): ddpkit's own
+    ``.tmp-*`` and DCP's ``*.metadata.tmp``. Nothing reads them; they only take space."""
+    root = Path(save_dir)
+    if root.is_dir():
+        for p in [*root.rglob(_TEMP_PREFIX + "*"), *root.rglob("*.metadata.tmp")]:
+            p.unlink(missing_ok=True)
 
 
 def _barrier():
@@ -105,29 +128,41 @@ def save(ctx, cfg, step, consumed, model, optimizer, scheduler, save_dir, fsdp=F
     folder = root / f"step_{step:06d}"
     if ctx.is_main:
         folder.mkdir(parents=True, exist_ok=True)
+        remove_temp_files(root)  # no rank writes now: every rank is before the barrier below
     _barrier()
     if fsdp:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "dcp"))
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "dcp"))
+        except (OSError, CheckpointException) as exc:  # DCP's own is a BaseException
+            raise OSError(f"rank {ctx.rank} could not write checkpoint folder "
+                          f"{folder / 'dcp'}: {exc}") from exc
         if ctx.is_main:
-            atomic_torch_save({"scheduler": scheduler.state_dict()}, folder / "state.pt")
+            with _writing(ctx, folder / "state.pt"):
+                atomic_torch_save({"scheduler": scheduler.state_dict()}, folder / "state.pt")
     else:
         if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: gather shards
             optimizer.consolidate_state_dict(to=0)
         if ctx.is_main:
-            atomic_torch_save({"model": model.state_dict(), "optim": optimizer.state_dict(),
-                               "scheduler": scheduler.state_dict()}, folder / "state.pt")
-    atomic_torch_save(_rng_state(), folder / f"rng_rank{ctx.rank}.pt")
+            with _writing(ctx, folder / "state.pt"):
+                atomic_torch_save({"model": model.state_dict(), "optim": optimizer.state_dict(),
+                                   "scheduler": scheduler.state_dict()}, folder / "state.pt")
+    rng = folder / f"rng_rank{ctx.rank}.pt"
+    with _writing(ctx, rng):
+        atomic_torch_save(_rng_state(), rng)
     _barrier()  # every part is on disk before the checkpoint is declared complete
     if ctx.is_main:
         meta = {"step": step, "consumed": consumed, "world_size": ctx.world_size,
                 "strategy": cfg.strategy, "resume": resume_fields(cfg),
                 "config": cfg.to_dict()}
-        atomic_write_bytes(folder / "meta.json", json.dumps(meta, default=str).encode())
-        atomic_write_bytes(root / LATEST, folder.name.encode())
+        with _writing(ctx, folder / "meta.json"):
+            atomic_write_bytes(folder / "meta.json", json.dumps(meta, default=str).encode())
+        with _writing(ctx, root / LATEST):
+            atomic_write_bytes(root / LATEST, folder.name.encode())
     _barrier()
 
 

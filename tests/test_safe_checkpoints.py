@@ -1,5 +1,8 @@
-"""Checkpoints are loaded without running code from them, and a resume that does not fit is
-refused before any rank starts."""
+"""Checkpoints are loaded without running code from them, a resume that does not fit is refused
+before any rank starts, and a save that fails on a full disk loses nothing."""
+import errno
+import io
+import os
 import pickle
 import shutil
 
@@ -135,3 +138,48 @@ def test_a_resume_names_every_differing_field(saved):
     assert "n_blocks=4 but the checkpoint has n_blocks=2" in message
     assert "width=8 but the checkpoint has width=16" in message
     assert "resume with n_blocks=2, width=16" in message
+
+
+# ----------------------------------------------------------------------------- full disk
+class FullDisk(io.FileIO):
+    """A file on a disk that fills up: half the bytes land, then ENOSPC."""
+
+    def write(self, data):
+        super().write(bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def train_on_a_disk_that_fills(ctx, cfg, bad_rank, bad_folder):
+    """train_rank, with every checkpoint write of ``bad_rank`` into ``bad_folder`` failing."""
+    from ddpkit.train import train_rank
+
+    real = os.fdopen
+
+    def fdopen(fd, *args, **kwargs):
+        if ctx.rank == bad_rank and bad_folder in os.readlink(f"/proc/self/fd/{fd}"):
+            return FullDisk(fd, "wb")
+        return real(fd, *args, **kwargs)
+
+    os.fdopen = fdopen  # this rank process only; it ends with the run
+    return train_rank(ctx, cfg)
+
+
+def test_a_full_disk_mid_save_loses_nothing(tmp_path):
+    cfg = ddpkit.TrainConfig(**GPT, steps=9, save_every=3, save_dir=str(tmp_path))  # saves 2, 5, 8
+    bad = tmp_path / "step_000005"
+    with pytest.raises(ddpkit.RankError) as info:
+        ddpkit.launch(train_on_a_disk_that_fills, cfg, 1, str(bad), world_size=2)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "OSError"
+    assert (f"rank 1 could not write checkpoint file {bad / 'rng_rank1.pt'}: "
+            f"No space left on device") in err.message
+    assert saving.latest(tmp_path).name == "step_000002"  # the previous complete checkpoint
+    assert not (bad / "meta.json").exists()
+    assert not list(tmp_path.rglob(".tmp-*"))  # the half-written temp file was removed
+    (bad / ".tmp-abcstate.pt").write_bytes(b"half")  # what a writer killed by SIGKILL leaves
+    resumed = ddpkit.train(cfg, resume_from=str(tmp_path), check=False)
+    assert not list(tmp_path.rglob(".tmp-*"))  # swept by the next save
+    straight = ddpkit.train(cfg.replace(save_every=0, save_dir=None), check=False)
+    rank0 = lambda res: [(m["step"], m["loss"]) for m in res.metrics if m["rank"] == 0]  # noqa: E731
+    assert rank0(resumed) == [p for p in rank0(straight) if p[0] >= 3]
+    assert all(torch.equal(resumed.state_dict[k], straight.state_dict[k]) for k in straight.state_dict)
