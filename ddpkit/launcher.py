@@ -5,6 +5,8 @@ Design, in the order things happen:
 * Checks first. Bad settings and unpicklable arguments raise before any process exists.
 * The kernel owns the rendezvous: a ``TCPStore`` bound to port 0, so the OS picks a free port and
   two launches can never collide; it is closed when the run (or pool) ends, freeing the port.
+  It listens on ``host`` only (loopback by default), and so do the ranks' own gloo sockets: the
+  store has no authentication, so nobody else on the network may reach it.
 * Ranks are started with ``torch.multiprocessing``'s **spawn** context, never fork (fork after
   CUDA init breaks). The user's function travels as cloudpickle bytes to `rank.rank_main`.
 * One drain thread per run reads every rank's pipe: records go to ``on_metric`` as they arrive,
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import inspect
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -40,7 +44,7 @@ from . import shipping
 from .devices import BACKENDS, resolve_devices  # noqa: F401  (resolve_devices: public here too)
 from .errors import RankError, RankStalled
 
-HOST = "127.0.0.1"
+HOST = "127.0.0.1"  # the default: loopback, so no other machine can reach a run's sockets
 _CONSEQUENCE_MARKERS = (
     "connection closed by peer", "connection reset", "broken pipe", "connection refused",
     "socket closed", "read error", "aborted", "remote process exited",
@@ -79,20 +83,57 @@ def check_picklable(fn, args, kwargs):
         raise TypeError(f"the job cannot be pickled: {exc}") from exc
 
 
-def _new_store(port, attempts=3):
-    """The kernel-side rendezvous. Port 0 lets the OS choose; EADDRINUSE on a chosen port is
-    reported with a fix, and a race on an OS-chosen port is retried."""
-    for attempt in range(attempts):
-        try:
-            return dist.TCPStore(HOST, port or 0, 1, is_master=True, wait_for_workers=False,
-                                 timeout=timedelta(seconds=60))
-        except (RuntimeError, OSError) as exc:
-            if "EADDRINUSE" not in str(exc) and "in use" not in str(exc):
-                raise
-            if port:
-                raise ValueError(f"port={port} is already in use on {HOST}; pass port=None and "
-                                 f"ddpkit picks a free one") from None
-    raise RuntimeError(f"no free rendezvous port after {attempts} attempts")
+def check_host(host):
+    """``host=``: the one address the store and the ranks' sockets listen on."""
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"host must be an address string such as '127.0.0.1', got {host!r}")
+    try:
+        socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"host={host!r} does not resolve ({exc.strerror}); pass "
+                         f"host='127.0.0.1' (the default: loopback only) or an address of this "
+                         f"machine") from None
+
+
+def _listen_socket(host, port):
+    """A listening socket bound to ``host`` alone. torch's TCPStore server binds *every*
+    interface whatever host it is given (TORCH_NOTES: ``*:<port>``, IPv4 and IPv6); handed a
+    socket through ``master_listen_fd`` it serves on that socket's address only."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # as torch's own server does: a port whose last connections sit in TIME_WAIT is reusable
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _new_store(port, host=HOST):
+    """The kernel-side rendezvous, on ``host`` only. Port 0 lets the OS choose (no race: the
+    socket holds the port from bind on); EADDRINUSE on a chosen port is reported with a fix."""
+    try:
+        sock = _listen_socket(host, port or 0)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port={port} is already in use on {host}; pass port=None and "
+                             f"ddpkit picks a free one") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"host={host!r} is not an address of this machine ({exc.strerror}); "
+                             f"pass host='127.0.0.1' (the default) or one of its addresses") from None
+        raise
+    try:
+        store = dist.TCPStore(host, sock.getsockname()[1], 1, is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=60),
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now: it closes it when dropped (measured)
+    return store
 
 
 def _dying(pid):
@@ -163,18 +204,18 @@ class _Group:
     """world_size spawned rank processes, their pipes and the kernel-side store."""
 
     def __init__(self, world_size, backend, device, persistent, port=None, pg_timeout_s=120,
-                 deterministic=False):
+                 deterministic=False, host=HOST):
         self.world_size, self.backend, self.device = world_size, backend, device
         self.persistent = persistent
         self.deterministic = deterministic
         note = devices.shared_note(world_size, backend, device)
         if note:
             print(note, flush=True)  # once per launch or pool, in the cell that started it
-        self.store = _new_store(port)
+        self.store = _new_store(port, host)
         self.port = self.store.port
         threads = max(1, (os.cpu_count() or 1) // world_size)  # no oversubscription of cores
         gpus = len(devices.cuda_gpus()) if device == "cuda" else 0
-        spec = dict(host=HOST, port=self.port, backend=backend, device_type=device, threads=threads,
+        spec = dict(host=host, port=self.port, backend=backend, device_type=device, threads=threads,
                     persistent=persistent, pg_timeout_s=pg_timeout_s, ppid=os.getpid(), gpus=gpus,
                     deterministic=deterministic)
         mp = tmp.get_context("spawn")
@@ -463,11 +504,12 @@ def _culprit_error(errors, returned):
 
 # ----------------------------------------------------------------------------- API
 _LAUNCH_KW = ("world_size", "backend", "device", "block", "on_metric", "on_output",
-              "stall_timeout_s", "seed", "pool", "port")
+              "stall_timeout_s", "seed", "pool", "port", "host")
 
 
 def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on_metric=None,
-           on_output=None, stall_timeout_s=300.0, seed=0, pool=None, port=None, **kwargs):
+           on_output=None, stall_timeout_s=300.0, seed=0, pool=None, port=None, host=HOST,
+           **kwargs):
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks (default 2); the group is up.
 
     block=True returns a `RunResult` (``returns`` of every rank, ``metrics`` of every rank);
@@ -475,26 +517,33 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
     are called from ddpkit's drain thread as records and output lines arrive. ``pool`` runs on a
     warm `Pool` instead of spawning. ``stall_timeout_s``: end the run with `RankStalled` when a
     rank sends nothing (no ``ctx.log``) for that long; None turns the watchdog off.
+    ``host``: the address the rendezvous store and the ranks' gloo sockets listen on; loopback
+    by default, so nothing outside this machine can reach them. Pass another address of this
+    machine only when something elsewhere must connect (the store has no authentication).
     The names above are the launcher's; every other keyword goes to ``fn``.
     """
     if pool is not None:
         if world_size not in (None, pool.world_size):
             raise ValueError(f"world_size={world_size} but the pool has {pool.world_size} ranks; "
                              f"pass world_size={pool.world_size} or make a new Pool")
+        if host != pool.host:
+            raise ValueError(f"host={host!r} but the pool listens on {pool.host!r}; pass "
+                             f"host={pool.host!r} or make a Pool with host={host!r}")
         return pool.launch(fn, *args, block=block, on_metric=on_metric, on_output=on_output,
                            stall_timeout_s=stall_timeout_s, seed=seed, **kwargs)
     world_size = 2 if world_size is None else world_size
-    check_options(block, on_metric, on_output, port)
+    check_options(block, on_metric, on_output, port, host)
     backend, device = resolve_devices(world_size, backend, device)
     job = _make_job(fn, args, kwargs, seed, stall_timeout_s)
     group = _Group(world_size, backend, device, persistent=False, port=port,
-                   pg_timeout_s=job["pg_timeout_s"], deterministic=job["flags"]["deterministic"])
+                   pg_timeout_s=job["pg_timeout_s"], deterministic=job["flags"]["deterministic"],
+                   host=host)
     handle = RunHandle(group, job, on_metric=on_metric, on_output=on_output,
                        stall_timeout_s=stall_timeout_s, owns_group=True)
     return handle.wait() if block else handle
 
 
-def check_options(block=True, on_metric=None, on_output=None, port=None):
+def check_options(block=True, on_metric=None, on_output=None, port=None, host=HOST):
     """The launcher's own keywords, checked before anything starts."""
     if not isinstance(block, bool):
         raise TypeError(f"block must be True or False, got {block!r}")
@@ -506,6 +555,7 @@ def check_options(block=True, on_metric=None, on_output=None, port=None):
                              or not 1 <= port <= 65535):
         raise ValueError(f"port={port!r}: pass a TCP port in 1..65535, or port=None and ddpkit "
                          f"picks a free one")
+    check_host(host)
 
 
 def _collective_timeout(stall_timeout_s):
@@ -532,12 +582,14 @@ class Pool:
     ``pool = ddpkit.Pool(world_size=2)``; ``pool.launch(work, ...)`` takes `launch`'s arguments.
     A failed or stopped run ends the pool's ranks; the next launch starts fresh ones.
     Use it as a context manager, or call ``close()``; ranks also end with the kernel.
+    ``host``: as for `launch` (loopback by default).
     """
 
-    def __init__(self, world_size=2, backend=None, device=None, port=None):
-        check_options(port=port)
+    def __init__(self, world_size=2, backend=None, device=None, port=None, host=HOST):
+        check_options(port=port, host=host)
         self.backend, self.device = resolve_devices(world_size, backend, device)
         self.world_size = world_size
+        self.host = host
         self._port = port
         self._group = None
         self._handle = None
@@ -557,7 +609,7 @@ class Pool:
             # each job sets its own collective timeout (rank._run_job); this one covers start-up
             self._group = _Group(self.world_size, self.backend, self.device, persistent=True,
                                  port=self._port, pg_timeout_s=_collective_timeout(300.0),
-                                 deterministic=deterministic)
+                                 deterministic=deterministic, host=self.host)
 
     @property
     def busy(self):

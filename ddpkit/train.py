@@ -7,7 +7,6 @@ launcher through ``ctx``.
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -165,10 +164,8 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
         if (backend, device) != (pool.backend, pool.device):
             raise ValueError(f"TrainConfig asks for {backend} on {device}, the pool runs "
                              f"{pool.backend} on {pool.device}; pass a matching pool or pool=None")
-    if resume_from is not None and not (saving.latest(resume_from) or
-                                        os.path.exists(os.path.join(resume_from, "meta.json"))):
-        raise ValueError(f"resume_from={resume_from!r}: no complete checkpoint there (no "
-                         f"'latest' file nor meta.json); pass a save_dir a run wrote into")
+    if resume_from is not None:  # refused here, before any rank starts, if it does not fit
+        resume_from = str(saving.check_resume(cfg, resume_from))
     preflight(cfg)
     findings = check_config(cfg) if check else []
     run = launch(train_rank, cfg, live=live, pool=pool, resume_from=resume_from, **kw)

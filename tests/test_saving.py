@@ -47,7 +47,7 @@ def test_checkpoint_files_are_complete_and_atomic(tmp_path):
         names = sorted(p.name for p in (tmp_path / step).iterdir())
         assert names == ["meta.json", "rng_rank0.pt", "rng_rank1.pt", "state.pt"]
     assert not list(tmp_path.rglob(".tmp-*"))
-    state = torch.load(tmp_path / "step_000003" / "state.pt", weights_only=False)
+    state = torch.load(tmp_path / "step_000003" / "state.pt", weights_only=True)  # plain data only
     assert not any(k.startswith("module.") for k in state["model"])  # the unwrapped module
 
 

@@ -44,6 +44,10 @@ CASES = [
     ("Pool", lambda: ddpkit.Pool(world_size=0), ValueError, r"world_size=0: need at least 1 rank"),
     ("Pool", lambda: ddpkit.Pool(backend="mpi"), ValueError, r"backend='mpi' is not one of"),
     ("Pool", lambda: ddpkit.Pool(port=PORT), ValueError, rf"port={PORT} is already in use"),
+    ("launch", lambda: ddpkit.launch(work, host=127001), TypeError, r"host must be an address string such as '127\.0\.0\.1', got 127001"),
+    ("launch", lambda: ddpkit.launch(work, host="no-such-host.invalid"), ValueError, r"host='no-such-host\.invalid' does not resolve.*pass host='127\.0\.0\.1' \(the default: loopback only\)"),
+    ("launch", lambda: ddpkit.launch(work, host="203.0.113.7"), ValueError, r"host='203\.0\.113\.7' is not an address of this machine.*pass host='127\.0\.0\.1'"),
+    ("Pool", lambda: ddpkit.Pool(host=""), TypeError, r"host must be an address string"),
     # TrainConfig
     ("TrainConfig", lambda: ddpkit.TrainConfig(checkpoint=9), ValueError, r"TrainConfig.checkpoint=9: segments must be between 1 and n_blocks=4; pass checkpoint<=4"),
     ("TrainConfig", lambda: ddpkit.TrainConfig(accum_steps=0), ValueError, r"TrainConfig.accum_steps=0: needs at least 1.*pass accum_steps=1 or more"),
