@@ -48,3 +48,8 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_cmd = next(c for c in commands if "pytest" in c)
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_cmd.strip() in ci.splitlines()
+
+
+def test_the_hf_extra_is_in_the_dev_tools_too():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(meta["hf"]) <= set(meta["dev"])
