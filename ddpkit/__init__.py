@@ -8,6 +8,8 @@ from .launcher import Pool, RunHandle, RunResult, launch
 from .config import TrainConfig
 from .estimate import Estimate, estimate  # binds the function over the submodule's name
 from .doctor import Finding, doctor  # likewise; doctor.py needs only torch at import
+from .plan import plan  # likewise
+from .policies import CheckpointSetting
 from .rank import Context
 from .train import TrainResult, sweep, train
 
@@ -25,6 +27,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = ["Context", "Estimate", "Finding", "Pool", "RankError", "RankStalled", "RunHandle",
-           "RunResult", "TrainConfig", "TrainResult", "doctor", "estimate", "launch", "sweep",
-           "train"]
+__all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError", "RankStalled", "RunHandle",
+           "RunResult", "TrainConfig", "TrainResult", "doctor", "estimate", "launch", "plan",
+           "sweep", "train"]

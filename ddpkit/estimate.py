@@ -36,7 +36,7 @@ import contextlib
 import functools
 import sys
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -72,6 +72,20 @@ class Estimate:
     """One `BlockCost` per block."""
     method: str = "formula"
     """'formula' (built-in models, first principles) or 'traced' (FakeTensorMode)."""
+    config: object = field(default=None, repr=False, compare=False)
+
+    def fits(self, gpu):
+        """`plan.Fit` (truthy if it fits) on a GPU name ('T4', 'A100-80GB', 'H100': see
+        `ddpkit.plan.GPUS`) or a byte count, with this config's checkpoint setting."""
+        from .plan import fits
+
+        return fits(self.config, gpu)
+
+    def largest_micro_batch(self, gpu):
+        """The largest micro-batch with which this config fits ``gpu`` (0: none)."""
+        from .plan import largest_micro_batch
+
+        return largest_micro_batch(self.config, gpu)
 
     def blocks_table(self):
         """The per-block figures as a pandas DataFrame, best savings per FLOP first."""
@@ -87,8 +101,8 @@ class Estimate:
         return self.params + self.grads + self.optimizer + self.activations
 
     def to_dict(self):
-        out = asdict(self)
-        out.pop("blocks")
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("blocks", "config")}
         return {**out, "total": self.total}
 
     def __repr__(self):
@@ -171,14 +185,15 @@ def estimate(cfg) -> Estimate:
                  for i, f in enumerate(_traced(cfg).block_flops)]
         return Estimate(params=n * F32 // shards, grads=n * F32 // shards,
                         optimizer=optimizer_bytes(cfg, n), activations=activation_bytes(cfg),
-                        activation_per_block=block, boundary=boundary, blocks=costs)
+                        activation_per_block=block, boundary=boundary, blocks=costs, config=cfg)
     t = _traced(cfg)
     costs = [BlockCost(name, keeps, boundary, flops) for name, keeps, boundary, flops
              in zip(t.block_names, t.block_keeps, t.block_boundary, t.block_flops)]
     return Estimate(params=t.param_bytes // shards, grads=t.param_bytes // shards,
                     optimizer=optimizer_bytes(cfg, t.param_bytes // F32),
                     activations=trace_activations(cfg), blocks=costs, method="traced",
-                    activation_per_block=max(t.block_keeps), boundary=max(t.block_boundary))
+                    activation_per_block=max(t.block_keeps), boundary=max(t.block_boundary),
+                    config=cfg)
 
 
 # ----------------------------------------------------------------------------- FakeTensorMode

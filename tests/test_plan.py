@@ -1,0 +1,119 @@
+"""`ddpkit.plan` and `fits`: the planner's choice is the optimum of every selective list, its
+figures are what a real 2-rank run measures, and "will it fit" names its GPU (issue #15)."""
+import itertools
+
+import pytest
+
+import ddpkit
+import fixtures_module as fm
+from ddpkit.estimate import trace_activations, traced_flops
+from ddpkit.plan import GPUS, CUDA_CONTEXT, parse_bytes, usable_bytes
+
+RUN = dict(world_size=2, micro_batch=4, seq_len=32, optimizer="adamw", steps=3, peak_every=1,
+           backend="gloo", device="cpu")
+
+
+def configs():
+    yield ddpkit.TrainConfig(model=fm.make_model, data=fm.make_data, loss=fm.loss_fn, **RUN)
+    yield ddpkit.TrainConfig(model="gpt", n_blocks=5, width=32, **RUN)
+    pytest.importorskip("transformers")
+    yield ddpkit.TrainConfig(model=fm.make_gpt2, **RUN)
+
+
+def truth(cfg, mask):
+    """A mask's figures traced on their own (not from the per-block sums the planner uses)."""
+    setting = list(mask) if any(mask) else None
+    return trace_activations(cfg, setting), traced_flops(cfg, setting)
+
+
+def test_the_plan_is_the_cheapest_of_every_selective_list_that_fits():
+    from ddpkit.plan import _choice, _figures
+
+    for cfg in configs():
+        fig = _figures(cfg)
+        every = []
+        for mask in itertools.product((False, True), repeat=cfg.n_blocks):
+            c = _choice(fig, mask)  # the planner's figures, from per-block sums...
+            assert (c.activations, c.flops) == truth(cfg, mask)  # ...equal the traced ones
+            every.append(c)
+        low, high = min(c.total for c in every), max(c.total for c in every)
+        for share in (0.0, 0.3, 0.6, 1.0):  # budgets from the tightest that fits to roomy
+            p = ddpkit.plan(cfg, low + int(share * (high - low)))
+            fitting = [c for c in every if c.total <= p.budget]
+            best = min(fitting, key=lambda c: (c.flops, c.total))
+            assert p.choice is not None and p.choice.total <= p.budget
+            assert (p.choice.flops, p.choice.total) == (best.flops, best.total), (cfg.model, share)
+
+
+def test_the_planned_run_measures_what_was_predicted():
+    pytest.importorskip("transformers")
+    cfg = ddpkit.TrainConfig(model=fm.make_gpt2, **RUN)
+    est = ddpkit.estimate(cfg)
+    budget = est.params + est.grads + est.optimizer + int(0.6 * est.activations)
+    p = ddpkit.plan(cfg, budget)
+    assert p.checkpoint is not None and p.choice.flops_ratio > 1.0
+    res = ddpkit.train(p.apply())
+    rank0 = [m for m in res.metrics if m["rank"] == 0]
+    assert all(m["activation_bytes"] == p.choice.activations for m in rank0)
+    assert p.choice.activations + p.choice.states <= budget
+    # the CPU peak probe reads the real step (temporaries, DDP buckets); steady state (last
+    # step) sits within 15% of the prediction here: measured, and stated in the docs
+    assert abs(rank0[-1]["peak_bytes"] - p.choice.total) <= 0.15 * p.choice.total
+    # FLOPs of the real model (real tensors, one process) against the predicted ratio
+    from ddpkit.data import first_batch, make_dataset
+    from ddpkit.policies import CheckpointPolicy
+    from ddpkit.probes import count_flops
+    from ddpkit.spec import build_model, compute_loss
+
+    model = build_model(cfg)[0]
+    batch = first_batch(cfg, make_dataset(cfg))
+
+    def flops(setting):
+        CheckpointPolicy.from_config(cfg, setting).apply(model, cfg.blocks_path)
+        return count_flops(lambda: compute_loss(model, batch).backward())
+
+    assert flops(p.checkpoint) / flops(None) == pytest.approx(p.choice.flops_ratio, rel=1e-9)
+
+
+def test_nothing_fits_says_what_would():
+    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=32, **{**RUN, "micro_batch": 8})
+    # just what FSDP needs at its smallest: DDP keeps every state whole, so nothing fits it
+    tight = min(c.total for c in ddpkit.plan(cfg.replace(strategy="fsdp"), 10**12).frontier)
+    p = ddpkit.plan(cfg, tight)
+    assert not p.fits and p.choice is None
+    changes = [a["change"] for a in p.alternatives]
+    assert any(c.startswith("micro_batch=4, accum_steps=2") for c in changes)
+    assert any("fsdp" in c for c in changes)
+    fsdp = next(a for a in p.alternatives if "fsdp" in a["change"])
+    assert fsdp["fits"] and fsdp["predicted"] <= tight
+    with pytest.raises(ValueError, match="nothing fits the budget: see plan.alternatives"):
+        p.apply()
+
+
+def test_fits_names_the_gpu_and_its_overhead():
+    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=32, **RUN)
+    est = ddpkit.estimate(cfg)
+    fit = est.fits("T4")
+    assert fit and fit.usable == usable_bytes("T4") < GPUS["T4"] - CUDA_CONTEXT
+    assert "T4" in repr(fit) and "not counted" in repr(fit)
+    assert not est.fits(est.total // 2)
+    big = est.largest_micro_batch(64 * 2**20)
+    assert big >= 1 and est.config.replace(micro_batch=big).checkpointing is not None
+    assert ddpkit.estimate(cfg.replace(micro_batch=big)).fits(64 * 2**20)
+    assert not ddpkit.estimate(cfg.replace(micro_batch=big + 1)).fits(64 * 2**20)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("12 parsecs", r"memory_budget='12 parsecs': pass bytes \(an int > 0\) or a string like '12GiB'"),
+    (-5, r"memory_budget=-5: pass bytes"),
+    (True, r"memory_budget=True: pass bytes"),
+])
+def test_bad_budgets_name_the_fix(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_bytes(value)
+
+
+def test_budget_strings_and_unknown_gpus():
+    assert parse_bytes("12GiB") == 12 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
+    with pytest.raises(ValueError, match=r"gpu='Z80' is not in ddpkit.plan.GPUS"):
+        ddpkit.estimate(ddpkit.TrainConfig()).fits("Z80")
