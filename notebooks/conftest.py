@@ -3,16 +3,28 @@
 After a notebook's kernel has shut down, no process that was started while it ran may still be
 alive (ranks notice a dead kernel within a second and exit: launcher docs)."""
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ours(p):
+    """Started from this checkout: a rank inherits its kernel's working folder (the notebook's),
+    also once it is orphaned; another checkout's runs on the same machine are not ours."""
+    try:
+        return Path(p.cwd()).resolve().is_relative_to(ROOT)
+    except (psutil.Error, OSError):
+        return False
 
 
 def _spawned():
     out = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "multiprocessing.spawn" in cmd and "resource_tracker" not in cmd:
+        if "multiprocessing.spawn" in cmd and "resource_tracker" not in cmd and _ours(p):
             out.add(p.info["pid"])
     return out
 

@@ -357,7 +357,6 @@ def unterminated_print(ctx):
 def test_a_partial_last_line_still_arrives_before_the_return():
     res = ddpkit.launch(unterminated_print, world_size=2)
     assert sorted(res.prints) == [(0, "progress 0"), (1, "progress 1")]
-    assert res.wall_s < 10
 
 
 def late_rank(ctx):
