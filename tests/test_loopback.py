@@ -76,15 +76,19 @@ def wait_for_records(records, n=1, timeout=60):
         time.sleep(0.01)
 
 
-def test_launch_listens_on_loopback_only(tmp_path):
-    flag = str(tmp_path / "seen")
-    handle = ddpkit.launch(hold, flag, world_size=2, block=False)
+def sockets_during(handle, flag):
+    """The listening sockets while both ranks hold, then the run's result."""
     try:
         wait_for_records(handle.metrics, 2)
         seen = sockets_now()
     finally:
         open(flag, "w").close()
-    res = handle.wait(timeout=60)
+    return seen, handle.wait(timeout=60)
+
+
+def test_launch_listens_on_loopback_only(tmp_path):
+    flag = str(tmp_path / "seen")
+    seen, res = sockets_during(ddpkit.launch(hold, flag, world_size=2, block=False), flag)
     assert res.returns == [True, True]
     check_all_on_loopback(seen, res.port, 2)
 
@@ -92,13 +96,7 @@ def test_launch_listens_on_loopback_only(tmp_path):
 def test_pool_listens_on_loopback_only(tmp_path):
     flag = str(tmp_path / "seen")
     with ddpkit.Pool(world_size=2) as pool:
-        handle = pool.launch(hold, flag, block=False)
-        try:
-            wait_for_records(handle.metrics, 2)
-            seen = sockets_now()
-        finally:
-            open(flag, "w").close()
-        res = handle.wait(timeout=60)
+        seen, res = sockets_during(pool.launch(hold, flag, block=False), flag)
     assert res.returns == [True, True]
     check_all_on_loopback(seen, res.port, 2)
 
