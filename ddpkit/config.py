@@ -195,6 +195,10 @@ class TrainConfig:
     def info(self):
         """`spec.ModelInfo` of the model (blocks, their count, what kind of model), from one
         build on the meta device (cached per factory)."""
+        if self.builtin:
+            from .models import build_builtin
+
+            return spec.model_info(self.model, "blocks", build=lambda: build_builtin(self))
         return spec.model_info(self.model, self.blocks, self.seed)
 
     @property

@@ -108,23 +108,26 @@ class ModelInfo:
 _INFO = {}  # (spec key, blocks) -> (spec, ModelInfo): one meta build per factory
 
 
-def model_info(model_spec, blocks=None, seed=0):
+def model_info(model_spec, blocks=None, seed=0, build=None):
+    """`ModelInfo` of a factory (cached per factory); ``build``: how to call it, when it is not
+    the factory itself (a built-in model built from its config)."""
     from .blocks import find_blocks
 
     key = (model_spec if isinstance(model_spec, str) else id(model_spec), blocks)
     hit = _INFO.get(key)
-    if hit is not None and hit[0] is model_spec:
+    if build is None and hit is not None and hit[0] is model_spec:
         return hit[1]
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         torch.manual_seed(seed)
-        model = call_factory(model_spec)
+        model = build() if build is not None else call_factory(model_spec)
     path, container = find_blocks(model, blocks)
     config = getattr(model, "config", None)
     info = ModelInfo(type(model).__name__, path, len(container), type(container[0]).__name__,
                      is_causal_lm(model), getattr(config, "vocab_size", None),
                      own_checkpointing(model), bool(getattr(config, "use_cache", False)),
                      sum(p.numel() for p in model.parameters()))
-    _INFO[key] = (model_spec, info)
+    if build is None:
+        _INFO[key] = (model_spec, info)
     return info
 
 

@@ -77,6 +77,8 @@ def test_blocks_found_in_each_model():
     assert (info["gpt2"].blocks, info["gpt2"].block_class) == ("transformer.h", "GPT2Block")
     assert (info["llama"].blocks, info["llama"].block_class) == ("model.layers", "LlamaDecoderLayer")
     assert ddpkit.TrainConfig(**MODELS["gpt2"], **RUN).n_blocks == 4
+    builtin = ddpkit.TrainConfig(model="gpt", n_blocks=3).info  # the teaching models alike
+    assert (builtin.blocks, builtin.n_blocks, builtin.block_class) == ("blocks", 3, "GPTBlock")
 
 
 def test_estimate_per_block_and_within_2s():
