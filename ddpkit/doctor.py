@@ -16,6 +16,13 @@ what DDP's reducer would see, so it needs no knowledge of how the model checkpoi
   without ``preserve_rng_state``, so they drew a different mask than forward.
 * **torch's own warnings** during forward (reentrant checkpoint with no input requiring grad;
   ``use_reentrant`` not passed).
+* **the recompute itself**: a ``CheckpointError`` in backward (the recompute saved other tensors
+  than forward did), or Python's ``random`` drawn from during backward (checkpoint restores
+  torch's RNG for the recompute, not Python's, so the recompute may take another path).
+* **the modules**: ``SyncBatchNorm`` on a machine without a GPU (DDP refuses it).
+
+``doctor(cfg)`` also reads the user model *before* ddpkit prepares it: a transformers model's own
+gradient checkpointing (and its ``use_reentrant``), and ``use_cache=True`` under checkpointing.
 
 Checkpointing can be the model's own (seen through the measurements above) or installed by
 doctor for the check through ``checkpoint=``; either way the model is left as it was: buffers,
@@ -24,12 +31,14 @@ gradients, train/eval flags, RNG state and forward methods are restored.
 from __future__ import annotations
 
 import functools
+import random
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointError
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 _NO_GRAD_INPUT_WARNING = "None of the inputs have requires_grad=True"
@@ -227,12 +236,17 @@ def _measure(model, forward, segments, watch):
             loss = forward(model)
             watch.phase = "idle"
             reach = _reachable_params(loss) if loss.requires_grad else set()
-            rng0 = _rng_state(devices)
+            rng0, py_rng0 = _rng_state(devices), random.getstate()
+            checkpoint_error = None
             if loss.requires_grad:
                 watch.phase = "backward"
-                loss.backward()
+                try:
+                    loss.backward()
+                except CheckpointError as exc:  # the recompute differed from forward
+                    checkpoint_error = str(exc)
             watch.phase = "idle"
             rng_moved = any(not torch.equal(a, b) for a, b in zip(rng0, _rng_state(devices)))
+            py_rng_moved = random.getstate() != py_rng0
     finally:
         watch.phase = "idle"
         for h in handles:
@@ -240,6 +254,7 @@ def _measure(model, forward, segments, watch):
     bn_updates = {n: int(m.num_batches_tracked) - bn_before[n] for n, m in named if n in bn_before}
     return dict(fwd=watch.fwd, bwd=watch.bwd, nograd=watch.nograd, acc=acc, reach=reach,
                 seg_inputs=seg_inputs, rng_moved=rng_moved, bn_updates=bn_updates,
+                checkpoint_error=checkpoint_error, py_rng_moved=py_rng_moved,
                 warnings=[str(w.message) for w in caught], has_backward=loss.requires_grad)
 
 
@@ -264,6 +279,37 @@ def _findings(model, obs, segments, use_reentrant, ddp_kwargs):
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     no_grad = {n for n, p in params if p.grad is None}
     out, explained = Findings(), set()
+
+    # SyncBatchNorm: DDP(model) refuses it on CPU ("SyncBatchNorm layers only work with GPU
+    # modules"); without a GPU here the ranks cannot be on one
+    sync_bn = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if sync_bn and not torch.cuda.is_available():
+        out.append(Finding(
+            "syncbatchnorm_cpu", _where(sync_bn),
+            f"{len(sync_bn)} SyncBatchNorm layer(s) and no GPU on this machine: DDP(model) on CPU "
+            f"ranks raises 'SyncBatchNorm layers only work with GPU modules'",
+            "convert_sync_batchnorm only when the ranks run on GPUs; on CPU keep BatchNorm (each "
+            "rank normalises with its own batch), or use GroupNorm/LayerNorm"))
+
+    recomputed = _outermost([n for n in obs["bwd"] if n])
+    if obs["checkpoint_error"] is not None:
+        # backward stopped half-way: every gradient-based rule below would misread it
+        first = obs["checkpoint_error"].splitlines()[0]
+        out.append(Finding(
+            "recompute_differs", _where(recomputed) if recomputed else "(a checkpointed function)",
+            f"backward raised CheckpointError: the recompute differed from forward ('{first}')",
+            "make the checkpointed code compute the same thing twice: random decisions from "
+            "torch's RNG (restored for the recompute) or made outside and passed in, no state "
+            "changed between forward and backward"))
+        return out
+    if obs["py_rng_moved"]:
+        out.append(Finding(
+            "recompute_differs", _where(recomputed) if recomputed else "(a checkpointed function)",
+            "Python's random module was drawn from during backward, so a recompute draws from it: "
+            "checkpoint restores torch's RNG for the recompute, not Python's, so the recompute can "
+            "take another path than forward (CheckpointError, or silently different gradients)",
+            "draw random decisions from torch's RNG (torch.rand), or make them outside the "
+            "checkpointed function and pass them in"))
 
     # torch warns and uses reentrant checkpointing when use_reentrant is not passed
     if any(_DEFAULT_REENTRANT_WARNING in w for w in obs["warnings"]):
@@ -361,18 +407,77 @@ def _findings(model, obs, segments, use_reentrant, ddp_kwargs):
 
 
 # ----------------------------------------------------------------------------- API
-def _doctor_config(cfg):
-    """doctor on a config's model (built-in or yours), one micro-batch of its data, its loss."""
-    from .data import first_batch, make_dataset
-    from .spec import build_model, compute_loss
+def _hf_checkpointing(model):
+    """A transformers model's own checkpointing as the factory left it: (on, use_reentrant, where).
+    ``use_reentrant`` is what its layers pass to torch's checkpoint ("not passed" when they pass
+    nothing: torch's default, the reentrant variant in this torch)."""
+    layers = [(n, m) for n, m in model.named_modules()
+              if getattr(m, "gradient_checkpointing", False) is True]
+    if not layers:
+        return False, None, None
+    kws = {n: getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", None) or {}
+           for n, m in layers}
+    values = sorted({str(kw.get("use_reentrant", "not passed")) for kw in kws.values()})
+    reentrant = {"True": True, "False": False}.get(values[0], values[0]) if len(values) == 1 \
+        else "mixed: " + ", ".join(values)
+    names = [n or "(root)" for n, _ in layers]  # the layers, not the model that holds them
+    return True, reentrant, _where([n for n in names if not any(o.startswith(n + ".") for o in names)])
 
-    model = build_model(cfg)[0]
+
+def _own_settings(model, cfg):
+    """Findings on a user model's own settings, read before `prepare_for_training` changes them."""
+    out = Findings()
+    on, reentrant, where = _hf_checkpointing(model)
+    if on:
+        with warnings.catch_warnings():  # transformers 5 renamed it is_activation_checkpointing
+            warnings.simplefilter("ignore")
+            flag = getattr(model, "is_gradient_checkpointing", True)
+        crash = (" Under plain DDP with find_unused_parameters=True (a common trainer default) "
+                 "this setting raises 'Expected to mark a variable ready only once' in the first "
+                 "backward" if reentrant is True or reentrant == "not passed" else "")
+        out.append(Finding(
+            "hf_reentrant_find_unused", where,
+            f"the model's own gradient checkpointing is on (is_gradient_checkpointing={flag}, "
+            f"use_reentrant={reentrant}): ddpkit turns it off for its runs and checkpoints by "
+            f"TrainConfig.checkpoint={cfg.checkpoint!r} instead.{crash}",
+            "choose the checkpointing with TrainConfig.checkpoint and use_reentrant; outside "
+            "ddpkit, gradient_checkpointing_kwargs={'use_reentrant': False} or "
+            "find_unused_parameters=False"))
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) and (on or cfg.checkpoint is not None):
+        out.append(Finding(
+            "hf_reentrant_find_unused", "config.use_cache",
+            "use_cache=True in the model's config with checkpointing on: a KV cache is for "
+            "generation (in training it keeps every block's keys and values); transformers' own "
+            "checkpointing switches it off with a warning ('`use_cache=True` is incompatible with "
+            "gradient checkpointing. Setting `use_cache=False`.'), and ddpkit sets "
+            "config.use_cache=False for its runs",
+            "set model.config.use_cache = False in the factory"))
+    return out
+
+
+def _doctor_config(cfg):
+    """doctor on a config's model (built-in or yours), one micro-batch of its data, its loss.
+    A user model is read before ddpkit prepares it (its own checkpointing, use_cache), then
+    prepared exactly as `ddpkit.spec.build_model` does for the ranks."""
+    from .data import first_batch, make_dataset
+    from .spec import BUILTIN, build_model, call_factory, compute_loss, prepare_for_training
+
+    own = Findings()
+    if isinstance(cfg.model, str) and cfg.model in BUILTIN:
+        model = build_model(cfg)[0]
+    else:
+        torch.manual_seed(cfg.seed)  # build_model's steps, with a look in between
+        model = call_factory(cfg.model)
+        own = _own_settings(model, cfg)
+        prepare_for_training(model)
     batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
-    return doctor(model, _Call(lambda m: compute_loss(m, batch, cfg.loss_fn)),
-                  checkpoint=cfg.checkpoint, blocks=cfg.blocks_path, use_reentrant=cfg.use_reentrant,
-                  preserve_rng_state=cfg.preserve_rng_state,
-                  ddp_kwargs=dict(find_unused_parameters=cfg.find_unused_parameters,
-                                  static_graph=cfg.static_graph))
+    found = doctor(model, _Call(lambda m: compute_loss(m, batch, cfg.loss_fn)),
+                   checkpoint=cfg.checkpoint, blocks=cfg.blocks_path,
+                   use_reentrant=cfg.use_reentrant, preserve_rng_state=cfg.preserve_rng_state,
+                   ddp_kwargs=dict(find_unused_parameters=cfg.find_unused_parameters,
+                                   static_graph=cfg.static_graph))
+    return Findings(own + found)
 
 
 class _Call:
@@ -417,7 +522,7 @@ def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
     modes = [(m, m.training) for m in model.modules()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     grads = [(p, p.grad) for p in model.parameters()]
-    rng = torch.get_rng_state()
+    rng, py_rng = torch.get_rng_state(), random.getstate()
     for p, _ in grads:
         p.grad = None
     watch = _Watch()
@@ -437,3 +542,4 @@ def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
         for p, g in grads:
             p.grad = g
         torch.set_rng_state(rng)
+        random.setstate(py_rng)

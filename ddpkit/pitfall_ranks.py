@@ -330,3 +330,218 @@ def rank_unused(ctx, fixed, steps=3):
     got = _steps(ctx, build(CkptNet, reentrant=None, spare=True),
                  {"find_unused_parameters": True} if fixed else {}, steps)
     return {"params_without_grad": got["no_grad"], "steps": steps}
+
+
+# ----------------------------------------------------------------------------- the catalogue, grown
+def _rank_spread(model):
+    """Largest |weight on this rank - weight on rank 0| over every rank: 0.0 while DDP keeps the
+    ranks in step. A broadcast and a max all-reduce, outside DDP (no comm hook counts them)."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    spread = (flat - ref).abs().max()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return spread.item()
+
+
+def rank_accum_loop(ctx, mistake, fixed, k=4, steps=2):
+    """Gradient accumulation over k micro-batches per step, no_sync on all but the last: the
+    correct loop (``fixed``), or with one ``mistake``:
+
+    * ``"backward_only"``: ``loss = ddp(x)`` outside no_sync, only ``.backward()`` inside it;
+    * ``"no_sync_last_too"``: no_sync around every micro-batch, the last one as well;
+    * ``"zero_grad_inside"``: ``opt.zero_grad()`` inside the micro-batch loop;
+    * ``"module_forward"``: forward through ``ddp.module`` instead of ``ddp``.
+
+    Step 0's accumulated gradient is compared with one big batch of the same k micro-batches and
+    with the last micro-batch alone (both through DDP, on the same weights); after ``steps``
+    optimizer steps, the weights are compared across ranks."""
+    model = build(CkptNet, reentrant=None)
+    ddp = DDP(model)
+    comm = CommCounter().install(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    micro = [[batch(ctx.rank, s, j) for j in range(k)] for s in range(steps)]
+    ddp(torch.cat(micro[0])).backward()  # references: the big batch, then the last micro-batch
+    big = _flat_grads(model)
+    model.zero_grad(set_to_none=True)
+    (ddp(micro[0][-1]) / k).backward()
+    last = _flat_grads(model)
+    model.zero_grad(set_to_none=True)
+    calls = []
+    broken = None if fixed else mistake
+    for step in range(steps):
+        ctx.log(step=step)
+        comm.reset()
+        for j, x in enumerate(micro[step]):
+            if broken == "zero_grad_inside":
+                opt.zero_grad(set_to_none=True)  # wipes the micro-batches summed so far
+            skip = j < k - 1 or broken == "no_sync_last_too"
+            if broken == "backward_only":
+                loss = ddp(x) / k  # forward outside: DDP has already decided to sync
+                with ddp.no_sync() if skip else nullcontext():
+                    loss.backward()
+            else:
+                with ddp.no_sync() if skip else nullcontext():
+                    out = ddp.module(x) if broken == "module_forward" else ddp(x)
+                    (out / k).backward()  # / k: a mean over the big batch
+        calls.append(comm.calls)
+        if step == 0:
+            got = _flat_grads(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"accum_steps": k, "allreduce_calls_per_step": calls,
+            "grad_norm_ratio_vs_big_batch": (got.norm() / big.norm()).item(),
+            "max_grad_diff_vs_big_batch": (got - big).abs().max().item(),
+            "max_grad_diff_vs_last_micro_batch": (got - last).abs().max().item(),
+            "steps": steps, "weight_diff_between_ranks": _rank_spread(model)}
+
+
+def tiny_gpt2():
+    """A 2-layer GPT-2 of width 16 from a config (random weights, nothing downloaded)."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # lazily: transformers is optional
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32,
+                                      n_positions=16, bos_token_id=0, eos_token_id=0,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def hf_checkpointing(model, use_reentrant):
+    """Switch on the model's own checkpointing the way forum answers and trainers do."""
+    if use_reentrant is None:
+        return model
+    with warnings.catch_warnings():  # transformers 5 renames it activation_checkpointing_enable
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*")
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    return model
+
+
+def gpt2_tokens(rank, step, n=2, t=8):
+    return torch.randint(0, 32, (n, t), generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def rank_hf(ctx, variants, steps=2):
+    """Each variant (label -> (use_reentrant, find_unused_parameters)) of a GPT-2 whose own
+    (transformers) checkpointing runs, against the same GPT-2 without checkpointing."""
+    import logging
+
+    said = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    hf_log = logging.getLogger("transformers")
+    hf_log.addHandler(Keep())
+
+    def run(model, fup):
+        ddp = DDP(model.train(), find_unused_parameters=fup)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        grads = []
+        for step in range(steps):
+            ctx.log(step=step)
+            ids = gpt2_tokens(ctx.rank, step)
+            loss = ddp(input_ids=ids, labels=ids).loss
+            for msg in said:
+                if "use_cache" in msg:
+                    ctx.log(transformers_said=msg)  # before the backward that may raise
+            said.clear()
+            loss.backward()
+            grads.append(_flat_grads(model))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {"grads": grads}
+
+    out = {}
+    for label, (reentrant, fup) in variants.items():
+        got = run(hf_checkpointing(tiny_gpt2(), reentrant), fup)
+        ref = run(tiny_gpt2(), False)
+        out[label] = {"max_grad_diff_vs_plain": _max_diff(got, ref)}
+    return out
+
+
+class LayerDropNet(nn.Module):
+    """stem -> block (checkpointed, non-reentrant, skipped with probability 0.5: LayerDrop) ->
+    head. ``draw``: "python" decides with Python's ``random`` (not restored for the recompute),
+    "torch" with torch's RNG (restored: preserve_rng_state). ``checkpointed=False``: the
+    reference."""
+
+    def __init__(self, draw="python", checkpointed=True):
+        super().__init__()
+        self.draw, self.checkpointed = draw, checkpointed
+        self.stem, self.fc, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 1)
+
+    def block(self, h):
+        import random
+
+        u = random.random() if self.draw == "python" else torch.rand(()).item()
+        if u < 0.5:
+            return h  # the layer is dropped this time
+        return h + self.fc(torch.tanh(h))
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = checkpoint(self.block, h, use_reentrant=False) if self.checkpointed else self.block(h)
+        return self.head(h).pow(2).mean()
+
+
+def rank_recompute(ctx, fixed, steps=4):
+    import random
+
+    random.seed(10)  # the first draw keeps the layer (0.57), the recompute's drops it (0.43)
+    # a dropped layer's parameters get no gradient: LayerDrop needs find_unused_parameters
+    got = _steps(ctx, build(LayerDropNet, draw="torch" if fixed else "python"),
+                 {"find_unused_parameters": True}, steps)
+    ref = _steps(ctx, build(LayerDropNet, draw="torch", checkpointed=False),
+                 {"find_unused_parameters": True}, steps)
+    return {"steps": steps, "max_grad_diff_vs_plain": _max_diff(got, ref)}
+
+
+def rank_syncbn(ctx, fixed, steps=2):
+    model = build(BNNet, segment=None)
+    if not fixed:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif ctx.device.type == "cuda":  # the fix: convert where it works, plain BatchNorm elsewhere
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    got = _steps(ctx, model, steps=steps)  # the broken form raises in DDP(...)
+    bn = got["model"].bn
+    # plain BatchNorm normalises with each rank's own batch; DDP's broadcast_buffers copies
+    # rank 0's running statistics to the others at the start of every forward
+    ref = bn.running_mean.clone()
+    dist.broadcast(ref, src=0)
+    spread = (bn.running_mean - ref).abs().max()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return {"norm_class": type(bn).__name__, "steps": steps,
+            "num_batches_tracked": int(bn.num_batches_tracked),
+            "running_mean_diff_between_ranks": spread.item()}
+
+
+class BranchNet(nn.Module):
+    """stem -> [aux, on the steps that ask for it] -> head: a branch taken on some steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.aux, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 1)
+
+    def forward(self, x, use_aux=True):
+        h = self.stem(x)
+        if use_aux:
+            h = h + self.aux(torch.tanh(h))
+        return self.head(h).pow(2).mean()
+
+
+def rank_static_branch(ctx, fixed, steps=4, every=2):
+    model = build(BranchNet)
+    ddp = DDP(model, **({"find_unused_parameters": True} if fixed else {"static_graph": True}))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    taken = []
+    for step in range(steps):
+        ctx.log(step=step)
+        use_aux = step % every == 0  # the branch runs on steps 0, 2, ...
+        ddp(batch(ctx.rank, step), use_aux).backward()
+        taken.append(use_aux)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"branch_taken": taken, "weight_diff_between_ranks": _rank_spread(model)}

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import RankError, RankStalled
-from .pitfall_ranks import (BNNet, CkptNet, DropNet, batch, build, rank_accumulate,
+from .pitfall_ranks import (BNNet, BranchNet, CkptNet, DropNet, LayerDropNet, batch, build,
+                            gpt2_tokens, hf_checkpointing, rank_accum_loop, rank_accumulate,
                             rank_batchnorm, rank_default_reentrant, rank_dropout,
-                            rank_exception, rank_input_no_grad, rank_nosync_static,
-                            rank_state_dict, rank_uneven, rank_unused, rank_variants)
+                            rank_exception, rank_hf, rank_input_no_grad, rank_nosync_static,
+                            rank_recompute, rank_state_dict, rank_static_branch, rank_syncbn,
+                            rank_uneven, rank_unused, rank_variants, tiny_gpt2)
 
 
 # ----------------------------------------------------------------------------- the catalogue
@@ -158,6 +160,69 @@ _CATALOG = [
             "so the name is not there",
             "send the function by value (cloudpickle) to a module-level trampoline: "
             "ddpkit.launch", silent=False),
+    Pitfall("hf_reentrant_find_unused",
+            "a transformers model's own reentrant checkpointing + find_unused_parameters=True",
+            "GPT-2 with gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{'use_reentrant': True}) under DDP(find_unused_parameters=True): the first backward "
+            "raises 'Expected to mark a variable ready only once' (the crash forum threads report)",
+            "transformers checkpoints each block with torch's checkpoint as told: reentrant, so "
+            "the block's parameters are missing from the forward graph DDP searches for unused "
+            "ones; DDP marks them ready, then the recompute marks them ready again (the first "
+            "entry, on a real model)",
+            "gradient_checkpointing_kwargs={'use_reentrant': False} (this transformers' default), "
+            "or find_unused_parameters=False (GPT-2 uses every parameter)", silent=False),
+    Pitfall("no_sync_backward_only",
+            "no_sync() around the backward only, not the forward",
+            "accumulation runs and the weights are right, but every micro-batch still pays a "
+            "full all-reduce: no saving at all",
+            "DDP decides whether to all-reduce in forward (it reads no_sync's flag there and "
+            "prepares the reducer); a backward under no_sync after a forward outside it syncs",
+            "put the forward and the backward inside `with ddp_model.no_sync():`", silent=True),
+    Pitfall("no_sync_last_too",
+            "no_sync() on every micro-step, the last one too",
+            "no error; the ranks' weights drift apart from the first optimizer step",
+            "under no_sync DDP never all-reduces; each rank steps with its own gradient",
+            "leave the last micro-batch of each step outside no_sync (its backward all-reduces "
+            "the accumulated sum)", silent=True),
+    Pitfall("zero_grad_in_micro_loop",
+            "optimizer.zero_grad() inside the micro-batch loop",
+            "no error; the step uses only the last micro-batch's gradient (scaled by "
+            "1/accum_steps), not the big batch's",
+            "zero_grad wipes what the earlier micro-batches accumulated",
+            "zero_grad once per optimizer step, after optimizer.step()", silent=True),
+    Pitfall("forward_through_module",
+            "forward through ddp_model.module instead of ddp_model",
+            "no error, no all-reduce; the ranks' weights drift apart",
+            "DDP's forward is what prepares the reducer for the backward; the inner module's "
+            "forward skips it, so the gradient hooks do nothing",
+            "call ddp_model(x); use .module only to save or inspect the model", silent=True),
+    Pitfall("recompute_differs",
+            "a forward whose recompute differs from the original (non-reentrant checkpoint)",
+            "backward raises CheckpointError: 'A different number of tensors was saved during "
+            "the original forward and recomputation'",
+            "the recompute runs the forward again; state that changed in between (here Python's "
+            "`random`, which preserve_rng_state does not restore, deciding a LayerDrop) takes "
+            "another path",
+            "draw random decisions from torch's RNG (restored for the recompute), or make them "
+            "outside the checkpointed function and pass them in", silent=False),
+    Pitfall("syncbatchnorm_cpu",
+            "SyncBatchNorm on CPU ranks",
+            "DDP(model) raises ValueError: 'SyncBatchNorm layers only work with GPU modules'",
+            "SyncBatchNorm all-gathers batch statistics with kernels that exist for GPUs only; "
+            "DDP refuses it on a CPU module",
+            "convert_sync_batchnorm only when the ranks run on GPUs; on CPU plain BatchNorm "
+            "normalises with each rank's own batch (DDP broadcasts rank 0's running statistics "
+            "each forward), or use GroupNorm/LayerNorm", silent=False),
+    Pitfall("static_graph_changes",
+            "static_graph=True with a branch taken on some steps only",
+            "the first step without the branch runs; the next forward raises 'Expected to have "
+            "finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your training graph has changed in this iteration'",
+            "static_graph=True promises DDP that the first iteration's set of used parameters "
+            "holds for every iteration; a step that skips the branch leaves its gradients "
+            "missing",
+            "static_graph=False with find_unused_parameters=True (DDP searches the graph every "
+            "step), or use every parameter on every step", silent=False),
 ]
 
 
@@ -421,6 +486,51 @@ def _ckpt(fixed_kw, broken_kw, ddp_fixed=None, ddp_broken=None):
     return spec
 
 
+def _hf_missing():
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return (f"needs the transformers package (pip install 'ddpkit[hf]'): {exc}")
+    return None
+
+
+_HF_BROKEN = {"use_reentrant=True, find_unused_parameters=True": (True, True)}
+_HF_FIXES = {"use_reentrant=False": (False, True), "find_unused_parameters=False": (True, False)}
+
+
+def _hf(lab, fixed):
+    missing = _hf_missing()
+    if missing:
+        return dict(skipped=missing)
+    run = lab.launch(rank_hf, _HF_FIXES if fixed else _HF_BROKEN, fresh=not fixed)
+    if fixed:
+        return _outcome(run)
+    said = sorted({m["transformers_said"] for m in run.metrics if "transformers_said" in m})
+    return _outcome(run, {"transformers_said": said})
+
+
+def _hf_spec(fixed):
+    """GPT-2 with its own checkpointing; broken: reentrant with find_unused_parameters=True,
+    fixed: non-reentrant without it. None without transformers."""
+    if _hf_missing():
+        return None
+    from .doctor import _Call
+
+    model = hf_checkpointing(tiny_gpt2(), use_reentrant=not fixed).train()
+    ids = gpt2_tokens(0, 0)
+    return (model, _Call(lambda m: m(input_ids=ids, labels=ids).loss),
+            {} if fixed else {"find_unused_parameters": True})
+
+
+def _recompute_spec(fixed):
+    import random
+
+    random.seed(10)  # as on the ranks (run() puts the kernel's random state back)
+    # doctor sees one step, and in this one the layer runs: without find_unused_parameters
+    # (which the ranks need for the steps that drop it), or doctor would call it unneeded
+    return build(LayerDropNet, draw="torch" if fixed else "python"), batch(0, 0), {}
+
+
 _PLAIN = _ckpt({"reentrant": None}, {"reentrant": None})
 # name -> (runner(lab, fixed) -> PitfallResult fields, doctor spec(fixed) or None)
 _SPECS = {
@@ -459,6 +569,26 @@ _SPECS = {
               {"find_unused_parameters": True}, {})),
     "fork_after_cuda": (_fork_after_cuda, None),
     "notebook_fn_spawn": (_notebook_spawn, None),
+    "hf_reentrant_find_unused": (_hf, _hf_spec),
+    "no_sync_backward_only": (
+        _on_pool(rank_accum_loop, ("backward_only", False), ("backward_only", True)), _PLAIN),
+    "no_sync_last_too": (
+        _on_pool(rank_accum_loop, ("no_sync_last_too", False), ("no_sync_last_too", True)), _PLAIN),
+    "zero_grad_in_micro_loop": (
+        _on_pool(rank_accum_loop, ("zero_grad_inside", False), ("zero_grad_inside", True)), _PLAIN),
+    "forward_through_module": (
+        _on_pool(rank_accum_loop, ("module_forward", False), ("module_forward", True)), _PLAIN),
+    "recompute_differs": (_fresh_when_broken(rank_recompute), _recompute_spec),
+    "syncbatchnorm_cpu": (
+        _fresh_when_broken(rank_syncbn),
+        lambda fixed: (build(BNNet, segment=None) if fixed else
+                       torch.nn.SyncBatchNorm.convert_sync_batchnorm(build(BNNet, segment=None)),
+                       batch(0, 0), {})),
+    # doctor sees one step, here one without the branch: it cannot tell that the graph changes
+    "static_graph_changes": (
+        _fresh_when_broken(rank_static_branch),
+        lambda fixed: (build(BranchNet), (batch(0, 1), False),
+                       {"find_unused_parameters": True} if fixed else {"static_graph": True})),
 }
 
 
@@ -476,10 +606,18 @@ def run(name, fixed=False, pool=None):
     runner, spec = _SPECS[name]
     findings = []
     if spec is not None:
+        import random
+
         from .doctor import doctor
 
-        model, example, ddp_kwargs = spec(bool(fixed))
-        findings = doctor(model, example, ddp_kwargs=ddp_kwargs)
+        state = random.getstate()  # a spec may seed Python's RNG as the ranks do
+        try:
+            setup = spec(bool(fixed))  # None: the setup needs a package this machine lacks
+            if setup is not None:
+                model, example, ddp_kwargs = setup
+                findings = doctor(model, example, ddp_kwargs=ddp_kwargs)
+        finally:
+            random.setstate(state)
     t0 = time.monotonic()
     lab = _Lab(pool)
     fields = runner(lab, bool(fixed))

@@ -266,3 +266,97 @@ def test_ddpkit_doctor_is_the_function_even_after_importing_the_submodule():
             "assert callable(ddpkit.doctor) and ddpkit.doctor.__name__ == 'doctor'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+# --- issue #15: the catalogue grown
+class PyRandomDrop(nn.Module):
+    """LayerDrop decided inside its own non-reentrant checkpoint, by Python's random or torch's."""
+
+    def __init__(self, draw="python"):
+        super().__init__()
+        self.draw = draw
+        self.stem, self.fc, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 1)
+
+    def block(self, h):
+        import random
+
+        u = random.random() if self.draw == "python" else torch.rand(()).item()
+        return h if u < 0.5 else h + self.fc(torch.tanh(h))
+
+    def forward(self, inp):
+        return self.head(checkpoint(self.block, self.stem(inp), use_reentrant=False)).mean()
+
+
+def test_a_recompute_that_differs_from_forward():
+    import random
+
+    random.seed(10)  # forward keeps the layer (0.57), the recompute drops it (0.43)
+    found = doctor(PyRandomDrop(), x())
+    assert kinds(found) == [("recompute_differs", "(a checkpointed function)")]
+    assert "backward raised CheckpointError: the recompute differed from forward ('torch.utils." \
+           "checkpoint: A different number of tensors was saved during the original forward " \
+           "and recomputation.')" in found[0].message
+    assert random.getstate() == (random.seed(10) or random.getstate())  # put back as it was
+    random.seed(0)  # 0.84, 0.76: the same path both times, yet the recompute drew again
+    found = doctor(PyRandomDrop(), x())
+    assert kinds(found) == [("recompute_differs", "fc")]
+    assert "Python's random module was drawn from during backward" in found[0].message
+    random.seed(10)
+    assert doctor(PyRandomDrop(draw="torch"), x()) == []  # torch's RNG is restored for it
+
+
+def test_syncbatchnorm_without_a_gpu():
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(WithBN())
+    found = doctor(model, x())
+    if torch.cuda.is_available():
+        assert found == []
+        pytest.skip("this machine has a GPU: SyncBatchNorm may be right there")
+    assert kinds(found) == [("syncbatchnorm_cpu", "seg.1")]
+    assert "'SyncBatchNorm layers only work with GPU modules'" in found[0].message
+    assert doctor(WithBN(), x()) == []
+
+
+H4 = "transformer.h.0, transformer.h.1, transformer.h.2, transformer.h.3"  # make_gpt2: 4 layers
+
+
+def _gpt2(use_reentrant="off", use_cache=True):
+    def make():
+        import fixtures_module as fm
+
+        m = fm.make_gpt2()
+        m.config.use_cache = use_cache
+        if use_reentrant != "off":
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        return m
+    return make
+
+
+def test_a_transformers_models_own_checkpointing_and_use_cache():
+    pytest.importorskip("transformers")
+    run = dict(micro_batch=2, seq_len=16, world_size=2)
+    found = doctor(TrainConfig(model=_gpt2(True, use_cache=False), **run))
+    assert kinds(found) == [("hf_reentrant_find_unused", H4)]
+    assert found[0].message.startswith(
+        "the model's own gradient checkpointing is on (is_gradient_checkpointing=True, "
+        "use_reentrant=True): ddpkit turns it off for its runs and checkpoints by "
+        "TrainConfig.checkpoint=None instead.")
+    assert "'Expected to mark a variable ready only once'" in found[0].message
+    # non-reentrant: reported, no crash predicted; off: nothing to report
+    found = doctor(TrainConfig(model=_gpt2(False, use_cache=False), **run, checkpoint=2))
+    assert kinds(found) == [("hf_reentrant_find_unused", H4)]
+    assert "use_reentrant=False" in found[0].message and "ready only once" not in found[0].message
+    assert "TrainConfig.checkpoint=2 instead" in found[0].message
+    assert doctor(TrainConfig(model=_gpt2(use_cache=False), **run, checkpoint=2)) == []
+    # use_cache=True under checkpointing (ddpkit's or the model's own)
+    found = doctor(TrainConfig(model=_gpt2(use_cache=True), **run, checkpoint=2))
+    assert kinds(found) == [("hf_reentrant_find_unused", "config.use_cache")]
+    assert "use_cache=True in the model's config with checkpointing on" in found[0].message
+    assert found[0].fix == "set model.config.use_cache = False in the factory"
+    assert doctor(TrainConfig(model=_gpt2(use_cache=True), **run)) == []  # no checkpointing
+    assert [f.where for f in doctor(TrainConfig(model=_gpt2(True, use_cache=True), **run))] == [
+        H4, "config.use_cache"]

@@ -11,7 +11,11 @@ REQUIRED = {"reentrant_find_unused", "reentrant_shared_module", "reentrant_input
             "default_use_reentrant", "loss_not_scaled", "sync_every_micro_step",
             "no_sync_with_static_graph", "batchnorm_in_checkpoint", "dropout_rng",
             "uneven_inputs", "rank_exception", "state_dict_prefix", "fork_after_cuda",
-            "notebook_fn_spawn"}
+            "notebook_fn_spawn",
+            # issue #15, grown (tests/test_more_pitfalls.py)
+            "hf_reentrant_find_unused", "no_sync_backward_only", "no_sync_last_too",
+            "zero_grad_in_micro_loop", "forward_through_module", "recompute_differs",
+            "syncbatchnorm_cpu", "static_graph_changes"}
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +39,14 @@ def both(name, pool):
 def test_catalog_names_and_fields():
     cat = pitfalls.catalog()
     names = [p.name for p in cat]
-    assert REQUIRED <= set(names) and len(names) == len(set(names))
+    assert REQUIRED <= set(names) and len(names) == len(set(names)) and len(names) >= 23
     for p in cat:
         assert p.title and p.symptom and p.cause and p.fix, p
     silent = {p.name for p in cat if p.silent}
     assert silent == {"reentrant_input_no_grad", "default_use_reentrant", "loss_not_scaled",
-                      "sync_every_micro_step", "batchnorm_in_checkpoint", "dropout_rng"}
+                      "sync_every_micro_step", "batchnorm_in_checkpoint", "dropout_rng",
+                      "no_sync_backward_only", "no_sync_last_too", "zero_grad_in_micro_loop",
+                      "forward_through_module"}
     assert ddpkit.pitfalls.get("dropout_rng").silent
     with pytest.raises(ValueError, match=r"no pitfall named 'nope'; pitfalls: reentrant_find_unused"):
         pitfalls.run("nope")
