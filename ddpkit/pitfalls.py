@@ -348,7 +348,7 @@ def _nosync_static(lab, fixed):
 
 def _uneven(lab, fixed):
     t0 = time.monotonic()
-    run = lab.launch(rank_uneven, fixed, fresh=not fixed, stall_timeout_s=3.0)
+    run = lab.launch(rank_uneven, fixed, fresh=not fixed, stall_timeout_s=6.0)
     if fixed:
         return _outcome(run)
     steps = {r: sum(1 for m in run.metrics if m["rank"] == r and "step" in m) for r in (0, 1)}
