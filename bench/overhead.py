@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import ddpkit
 from bench._common import machine, table
-from ddpkit.models import SyntheticData, build_model
+from ddpkit.engine.models import SyntheticData, build_model
 
 SKIP = 2  # first steps pay one-off costs (allocator growth, profiler start-up)
 

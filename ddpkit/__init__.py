@@ -4,19 +4,19 @@ Light at import: rank processes import this package too, so the notebook-only pa
 (widgets, plots) load on first use.
 """
 from .errors import RankError, RankStalled
-from .launcher import Pool, RunHandle, RunResult, launch
+from .runtime.launch import Pool, RunHandle, RunResult, launch
 from .config import TrainConfig
-from .estimate import Estimate, estimate  # binds the function over the submodule's name
-from .doctor import Finding, doctor  # likewise; doctor.py needs only torch at import
-from .plan import plan  # likewise
-from .policies import CheckpointSetting
-from .rank import Context
-from .train import TrainResult, sweep, train
+from .explore.estimate import Estimate, estimate
+from .pitfalls.doctor import Finding, doctor  # needs only torch at import
+from .explore.plan import plan
+from .engine.policies import CheckpointSetting
+from .rank.entry import Context
+from .explore.api import TrainResult, sweep, train
 
 __version__ = "0.1.0"
 
 # loaded on first use: name -> module (the attribute of the same name, or the module itself)
-_LAZY = {"Lab": ".widgets", "LivePlots": ".plots", "pitfalls": ".pitfalls"}
+_LAZY = {"Lab": ".explore.widgets", "LivePlots": ".explore.plots", "pitfalls": ".pitfalls"}
 
 
 def __getattr__(name):

@@ -71,8 +71,8 @@ def _train_under_torchrun(args):
     import torch
     import torch.distributed as dist
 
-    from .rank import Context, apply_job_state, capture_job_state, start_group
-    from .train import train_rank
+    from .rank.entry import Context, apply_job_state, capture_job_state, start_group
+    from .explore.api import train_rank
 
     ctx = Context.from_env(seed=args.seed, backend=args.backend, device=args.device)
     if ctx.device.type == "cuda":
@@ -101,8 +101,8 @@ def _train_under_torchrun(args):
 def _train(args):
     if under_torchrun():
         return _train_under_torchrun(args)
-    from .rank import format_record
-    from .train import train
+    from .rank.entry import format_record
+    from .explore.api import train
 
     res = train(_config_from(args))
     for m in res.metrics:
@@ -115,7 +115,7 @@ def _train(args):
 
 
 def _demo(args):
-    from .report import demo
+    from .explore.demo import demo
 
     demo(out=args.out, steps=args.steps)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from . import spec
-from .policies import CheckpointSetting
+from .engine import spec
+from .engine.policies import CheckpointSetting
 
 MODELS = ("mlp", "gpt")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -132,7 +132,7 @@ class TrainConfig:
             bad("optimizer", "unknown optimizer", f"pass one of {OPTIMIZERS}")
         if not self.lr > 0:
             bad("lr", "must be > 0", "pass e.g. lr=0.05")
-        from .strategies import COMM_HOOKS, STRATEGIES
+        from .engine.strategies import COMM_HOOKS, STRATEGIES
 
         if self.strategy not in STRATEGIES:
             bad("strategy", "unknown strategy", f"pass one of {STRATEGIES}")
@@ -196,7 +196,7 @@ class TrainConfig:
         """`spec.ModelInfo` of the model (blocks, their count, what kind of model), from one
         build on the meta device (cached per factory)."""
         if self.builtin:
-            from .models import build_builtin
+            from .engine.models import build_builtin
 
             return spec.model_info(self.model, "blocks", build=lambda: build_builtin(self))
         return spec.model_info(self.model, self.blocks, self.seed)

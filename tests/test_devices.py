@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddpkit
 from ddpkit import devices
-from ddpkit.rank import Context, _plain, dumps_for_kernel
-from ddpkit.step import train_step
+from ddpkit.rank.entry import Context, _plain, dumps_for_kernel
+from ddpkit.engine.step import train_step
 
 
 def gpus(monkeypatch, n, capability=(8, 0)):

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ddpkit import TrainConfig, doctor
-from ddpkit.doctor import Finding
+from ddpkit.pitfalls.doctor import Finding
 
 D = 6
 
@@ -230,7 +230,7 @@ def test_the_checked_model_is_left_as_it_was():
     assert "forward" not in model.seg.__dict__  # the installed checkpoint is gone
     assert torch.equal(torch.get_rng_state(), rng)
 
-    from ddpkit.models import build_model
+    from ddpkit.engine.models import build_model
 
     built = build_model(TrainConfig())
     before = dict(built.__dict__)
@@ -262,7 +262,7 @@ def test_findings_read_well():
 
 
 def test_ddpkit_doctor_is_the_function_even_after_importing_the_submodule():
-    code = ("import ddpkit, ddpkit.doctor; from ddpkit.doctor import Finding; "
+    code = ("import ddpkit, ddpkit.pitfalls.doctor; from ddpkit.pitfalls.doctor import Finding; "
             "assert callable(ddpkit.doctor) and ddpkit.doctor.__name__ == 'doctor'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr

@@ -5,7 +5,7 @@ import time
 import pytest
 
 import ddpkit
-from ddpkit.plots import thin
+from ddpkit.explore.plots import thin
 
 CFG = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accum_steps=1,
            steps=6, peak_every=3)

@@ -2,7 +2,7 @@
 import pytest
 
 import ddpkit
-from ddpkit.estimate import estimate
+from ddpkit.explore.estimate import estimate
 
 # pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
 CPU = dict(backend="gloo", device="cpu")

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.estimate import activation_bytes, estimate, param_count
-from ddpkit.models import build_model
+from ddpkit.explore.estimate import activation_bytes, estimate, param_count
+from ddpkit.engine.models import build_model
 
 # pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
 CPU = dict(backend="gloo", device="cpu")
@@ -174,10 +174,10 @@ def test_train_refuses_a_pool_of_another_size(pool):
 
 def test_estimate_stays_the_function_after_its_module_is_imported():
     import importlib
-    importlib.import_module("ddpkit.estimate")
+    importlib.import_module("ddpkit.explore.estimate")
     cfg = ddpkit.TrainConfig(**TINY)
     assert ddpkit.estimate(cfg) == ddpkit.estimate(cfg)
-    assert ddpkit.train.__module__ == "ddpkit.train" and callable(ddpkit.train)
+    assert ddpkit.train.__module__ == "ddpkit.explore.api" and callable(ddpkit.train)
 
 
 def test_train_runs_doctor_first_and_keeps_its_findings(pool):
@@ -194,7 +194,7 @@ def test_doctor_leaves_the_kernel_rng_alone():
     torch.manual_seed(1234)
     expected = torch.rand(1)
     torch.manual_seed(1234)
-    from ddpkit.train import check_config
+    from ddpkit.explore.api import check_config
     check_config(ddpkit.TrainConfig(**TINY))
     assert torch.rand(1) == expected
 

@@ -6,7 +6,7 @@ import torch
 
 import ddpkit
 from ddpkit import devices
-from ddpkit.estimate import estimate
+from ddpkit.explore.estimate import estimate
 
 GPUS = len(devices.cuda_gpus())
 needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs (NCCL, one process per GPU); this machine has {GPUS}")

@@ -246,7 +246,7 @@ def plan(cfg, memory_budget):
     """The per-block checkpoint choice that keeps the predicted per-rank memory (params + grads
     + optimizer state + activations at the step's peak) within ``memory_budget`` (bytes, a
     string like '12GiB', or a GPU name from `GPUS`) at the least recompute."""
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from .probes import CommCounter
+from ..engine.probes import CommCounter
 
 D = 8  # width of every toy model: a step takes a millisecond
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from .policies import CheckpointPolicy, segments_for
+from ..engine.policies import CheckpointPolicy, segments_for
 
 F32, I64 = 4, 8
 
@@ -172,7 +172,7 @@ def estimate(cfg) -> Estimate:
     few bytes: a 1-row weight lives whole on rank 0; they add up to exactly one copy).
     Activations: first principles for the built-in models, a FakeTensorMode trace for yours.
     """
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"estimate() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
@@ -203,9 +203,9 @@ class _Traced:
     def __init__(self, cfg):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from .blocks import block_names, resolve_blocks
-        from .data import first_batch, make_dataset
-        from .spec import build_model
+        from ..engine.blocks import block_names, resolve_blocks
+        from ..engine.data import first_batch, make_dataset
+        from ..engine.spec import build_model
 
         self.cfg = cfg
         self.mode = FakeTensorMode()
@@ -222,9 +222,9 @@ class _Traced:
 
     def forward_bytes(self, setting, probe=None):
         """Activation bytes one forward saves under ``setting`` (memoised per setting)."""
-        from .probes import ActivationProbe
-        from .spec import compute_loss
-        from .step import autocast_for
+        from ..engine.probes import ActivationProbe
+        from ..engine.spec import compute_loss
+        from ..engine.step import autocast_for
 
         key = str(setting)
         if probe is None and key in self.memo:
@@ -242,7 +242,7 @@ class _Traced:
     def _per_block(self):
         from torch.utils.flop_counter import FlopCounterMode
 
-        from .probes import ActivationProbe, _storage
+        from ..engine.probes import ActivationProbe, _storage
 
         probe, inputs = ActivationProbe(), {}
 
@@ -325,7 +325,7 @@ def traced_flops(cfg, setting):
     """FLOPs of one micro-batch's forward and backward under ``setting`` (FakeTensorMode)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .spec import compute_loss
+    from ..engine.spec import compute_loss
 
     t = _traced(cfg)
     with t.lock:

@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from . import devices
-from . import rank as _rank
-from . import shipping
-from .devices import BACKENDS, resolve_devices  # noqa: F401  (resolve_devices: public here too)
-from .errors import RankError, RankStalled
+from .. import devices
+from ..rank import entry as _rank
+from .. import shipping
+from ..devices import BACKENDS, resolve_devices  # noqa: F401  (resolve_devices: public here too)
+from ..errors import RankError, RankStalled
 
 HOST = "127.0.0.1"  # the default: loopback, so no other machine can reach a run's sockets
 _CONSEQUENCE_MARKERS = (

@@ -7,9 +7,9 @@ import html
 import os
 import time
 
-from .config import TrainConfig
+from ..config import TrainConfig
 from .estimate import estimate
-from .saving import atomic_write_bytes
+from ..engine.saving import atomic_write_bytes
 
 DEMO = dict(model="gpt", n_blocks=8, width=64, seq_len=32, world_size=2, micro_batch=4,
             accum_steps=2, optimizer="adamw", lr=3e-3)
@@ -61,7 +61,7 @@ def write_html(table, cfg, path):
 
 def demo(out="ddpkit-report.html", steps=4, segments=SEGMENTS, **overrides):
     """Run the demo sweep, print its table, write the HTML report; returns the Table."""
-    from .train import sweep
+    from .api import sweep
 
     cfg = TrainConfig(**{**DEMO, "steps": steps, **overrides})
     print(f"ddpkit demo: {cfg.model}, {cfg.n_blocks} blocks, width {cfg.width}, "

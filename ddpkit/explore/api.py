@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import saving, strategies
-from .config import TrainConfig
-from .launcher import launch
-from .data import RankBatches, make_dataset
-from .policies import CheckpointPolicy
-from .spec import build_model
-from .probes import ActivationProbe, PeakProbe, StepTimer, state_bytes
-from .step import train_step, zero_grad
+from ..engine import saving, strategies
+from ..config import TrainConfig
+from ..runtime.launch import launch
+from ..engine.data import RankBatches, make_dataset
+from ..engine.policies import CheckpointPolicy
+from ..engine.spec import build_model
+from ..engine.probes import ActivationProbe, PeakProbe, StepTimer, state_bytes
+from ..engine.step import train_step, zero_grad
 
 
 
@@ -158,7 +158,7 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
         raise ValueError(f"TrainConfig.world_size={cfg.world_size} but the pool has "
                          f"{pool.world_size} ranks; pass a matching pool or pool=None")
     else:
-        from .launcher import resolve_devices
+        from ..runtime.launch import resolve_devices
 
         backend, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
         if (backend, device) != (pool.backend, pool.device):
@@ -181,7 +181,7 @@ def preflight(cfg):
     training never needs, goes off silently: `spec.prepare_for_training`)."""
     import warnings
 
-    from .data import check_length
+    from ..engine.data import check_length
 
     if cfg.builtin:
         return
@@ -197,7 +197,7 @@ def check_config(cfg):
     """`ddpkit.doctor` on the config's model; warns (once per finding) and returns the findings."""
     import warnings
 
-    from .doctor import doctor
+    from ..pitfalls.doctor import doctor
 
     # the hazards are structural: a micro-batch of 2 (short sequences) finds them as well, and
     # the kernel's RNG is left as it was (building the model seeds it)
@@ -222,7 +222,7 @@ def sweep(cfg: TrainConfig, pool=None, **grid):
     """One run per combination of the grid's values, e.g.
     ``sweep(cfg, checkpoint=[None, 2, 4], accum_steps=[1, 2])``. Returns a `Table`."""
     from .estimate import estimate
-    from .launcher import Pool, resolve_devices
+    from ..runtime.launch import Pool, resolve_devices
 
     for name, values in grid.items():
         if name not in cfg.to_dict():

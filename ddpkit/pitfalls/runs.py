@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import RankError, RankStalled
-from .pitfall_ranks import (BNNet, BranchNet, CkptNet, DropNet, LayerDropNet, batch, build,
-                            gpt2_tokens, hf_checkpointing, rank_accum_loop, rank_accumulate,
-                            rank_batchnorm, rank_default_reentrant, rank_dropout,
-                            rank_exception, rank_hf, rank_input_no_grad, rank_nosync_static,
-                            rank_recompute, rank_state_dict, rank_static_branch, rank_syncbn,
-                            rank_uneven, rank_unused, rank_variants, tiny_gpt2)
+from ..errors import RankError, RankStalled
+from .ranks import (BNNet, BranchNet, CkptNet, DropNet, LayerDropNet, batch, build, gpt2_tokens,
+                    hf_checkpointing, rank_accum_loop, rank_accumulate, rank_batchnorm,
+                    rank_default_reentrant, rank_dropout, rank_exception, rank_hf,
+                    rank_input_no_grad, rank_nosync_static, rank_recompute, rank_state_dict,
+                    rank_static_branch, rank_syncbn, rank_uneven, rank_unused, rank_variants,
+                    tiny_gpt2)
 
 
 # ----------------------------------------------------------------------------- the catalogue
@@ -302,7 +302,7 @@ class _Lab:
         if self.pool is not None and not fresh:
             handle = self.pool.launch(fn, *args, **kw)
         else:
-            from .launcher import launch
+            from ..runtime.launch import launch
 
             handle = launch(fn, *args, world_size=2, backend="gloo", device="cpu", **kw)
         try:

@@ -27,7 +27,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import devices, shipping
+from .. import devices, shipping
 
 
 def _plain(value):

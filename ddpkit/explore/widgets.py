@@ -19,12 +19,12 @@ import time
 
 import ipywidgets as W
 
-from .blocks import block_names
-from .config import TrainConfig
-from .errors import RankError, RankStalled
+from ..engine.blocks import block_names
+from ..config import TrainConfig
+from ..errors import RankError, RankStalled
 from .estimate import activation_bytes, estimate
 from .plots import MIB, LivePlots
-from .policies import CheckpointSetting
+from ..engine.policies import CheckpointSetting
 
 FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"
 
@@ -211,8 +211,8 @@ class Lab:
 
     def run(self):
         """Start a run of the current config; returns at once (see ``wait``)."""
-        from .launcher import Pool
-        from .train import train
+        from ..runtime.launch import Pool
+        from .api import train
 
         if self.running or (self._refresher is not None and self._refresher.is_alive()):
             raise RuntimeError("a run is already going in this lab; stop() or wait() first")
@@ -223,7 +223,7 @@ class Lab:
             self._pool = Pool(cfg.world_size, cfg.backend, cfg.device)
         self.metrics, self._rank0_steps = [], 0
         self.banner.value, self.traceback.layout.display = "", "none"
-        from .train import check_config
+        from .api import check_config
         self.findings = check_config(cfg)
         if self.findings:
             items = "".join(f"<li><b>{html.escape(f.pitfall)}</b> at {html.escape(f.where)}: "

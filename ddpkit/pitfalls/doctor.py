@@ -110,8 +110,8 @@ def _install_checkpoint(model, setting, use_reentrant, preserve_rng_state, watch
     is_block_setting = setting == "full" or (isinstance(setting, int) and not isinstance(setting, bool)) \
         or (isinstance(setting, (list, tuple)) and setting and all(isinstance(b, bool) for b in setting))
     if is_block_setting:
-        from .blocks import block_names, find_blocks
-        from .policies import CheckpointPolicy, remove
+        from ..engine.blocks import block_names, find_blocks
+        from ..engine.policies import CheckpointPolicy, remove
 
         try:
             path, blocks = find_blocks(model, blocks)
@@ -460,8 +460,8 @@ def _doctor_config(cfg):
     """doctor on a config's model (built-in or yours), one micro-batch of its data, its loss.
     A user model is read before ddpkit prepares it (its own checkpointing, use_cache), then
     prepared exactly as `ddpkit.spec.build_model` does for the ranks."""
-    from .data import first_batch, make_dataset
-    from .spec import BUILTIN, build_model, call_factory, compute_loss, prepare_for_training
+    from ..engine.data import first_batch, make_dataset
+    from ..engine.spec import BUILTIN, build_model, call_factory, compute_loss, prepare_for_training
 
     own = Findings()
     if isinstance(cfg.model, str) and cfg.model in BUILTIN:
@@ -501,7 +501,7 @@ def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
     ``loss_fn(output)``: a scalar to backpropagate (default: the output if scalar, else its sum).
     Returns `Findings` (a list of `Finding`); empty when nothing is wrong.
     """
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
     if isinstance(model, TrainConfig):
         if example_input is not None:
