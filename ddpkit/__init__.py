@@ -4,7 +4,9 @@ Light at import: rank processes import this package too, so the notebook-only pa
 (widgets, plots) load on first use.
 """
 from .errors import RankError, RankStalled
-from .runtime.launch import Pool, RunHandle, RunResult, launch
+from .runtime.handle import RunHandle, RunResult
+from .runtime.launch import launch
+from .runtime.pool import Pool
 from .config import TrainConfig
 from .explore.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import

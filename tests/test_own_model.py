@@ -198,7 +198,7 @@ def test_bad_model_settings_are_refused_at_construction(kwargs, message):
 def test_short_dataset_and_bad_loss_are_refused_before_spawn(monkeypatch):
     import ddpkit.runtime.launch
 
-    monkeypatch.setattr(ddpkit.runtime.launch, "_Group", None)  # any spawn would now fail loudly
+    monkeypatch.setattr(ddpkit.runtime.launch, "RankGroup", None)  # any spawn would now fail loudly
     short = lambda cfg: torch.utils.data.TensorDataset(torch.randn(10, 16), torch.zeros(10).long())
     with pytest.raises(ValueError, match=r"has 10 samples, fewer than one global batch \(world_size=2 x "
                                          r"micro_batch=4 x accum_steps=2 = 16\)"):

@@ -158,7 +158,7 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
         raise ValueError(f"TrainConfig.world_size={cfg.world_size} but the pool has "
                          f"{pool.world_size} ranks; pass a matching pool or pool=None")
     else:
-        from ..runtime.launch import resolve_devices
+        from ..devices import resolve_devices
 
         backend, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
         if (backend, device) != (pool.backend, pool.device):
@@ -222,7 +222,8 @@ def sweep(cfg: TrainConfig, pool=None, **grid):
     """One run per combination of the grid's values, e.g.
     ``sweep(cfg, checkpoint=[None, 2, 4], accum_steps=[1, 2])``. Returns a `Table`."""
     from .estimate import estimate
-    from ..runtime.launch import Pool, resolve_devices
+    from ..devices import resolve_devices
+    from ..runtime.pool import Pool
 
     for name, values in grid.items():
         if name not in cfg.to_dict():

@@ -211,7 +211,7 @@ class Lab:
 
     def run(self):
         """Start a run of the current config; returns at once (see ``wait``)."""
-        from ..runtime.launch import Pool
+        from ..runtime.pool import Pool
         from .api import train
 
         if self.running or (self._refresher is not None and self._refresher.is_alive()):
