@@ -12,7 +12,7 @@ from .explore.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import
 from .explore.plan import plan
 from .engine.policies import CheckpointSetting
-from .rank.entry import Context
+from .rank.context import Context
 from .explore.api import TrainResult, sweep, train
 
 __version__ = "0.1.0"

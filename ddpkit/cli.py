@@ -68,40 +68,28 @@ def under_torchrun():
 
 
 def _train_under_torchrun(args):
-    import torch
-    import torch.distributed as dist
-
-    from .rank.entry import Context, apply_job_state, capture_job_state, start_group
     from .explore.api import train_rank
+    from .rank.entry import start_job, torchrun_context, torchrun_main
 
-    ctx = Context.from_env(seed=args.seed, backend=args.backend, device=args.device)
-    if ctx.device.type == "cuda":
-        # before the config is built: its checks may ask CUDA, which must not pick GPU 0 here
-        torch.cuda.set_device(ctx.device)
+    ctx = torchrun_context(seed=args.seed, backend=args.backend, device=args.device)
     cfg = _config_from(args)
-    world = int(os.environ["WORLD_SIZE"])
-    if cfg.world_size != world:  # torchrun decides the world size
-        cfg = cfg.replace(world_size=world)
-    start_group(ctx.backend, ctx.device)
-    apply_job_state(cfg.seed, capture_job_state())  # seeded as a spawned rank would be
-    try:
+    if cfg.world_size != ctx.world_size:  # torchrun decides the world size
+        cfg = cfg.replace(world_size=ctx.world_size)
+
+    def work(ctx):
+        start_job(ctx, cfg.seed)  # seeded as a spawned rank would be
         train_rank(ctx, cfg)
         if args.json and ctx.is_main:
             with open(args.json, "w") as fh:
                 json.dump(ctx.records, fh)
-    finally:
-        dist.destroy_process_group()
-    # os._exit after a good run: gloo's teardown can abort the interpreter at exit (SIGABRT in
-    # 2-3 runs of 20 here), which torchrun would report as a failed rank
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+
+    torchrun_main(ctx, work)
 
 
 def _train(args):
     if under_torchrun():
         return _train_under_torchrun(args)
-    from .rank.entry import format_record
+    from .rank.context import format_record
     from .explore.api import train
 
     res = train(_config_from(args))

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddpkit
 from ddpkit import devices
-from ddpkit.rank.entry import Context, _plain, dumps_for_kernel
+from ddpkit.rank.context import Context
+from ddpkit.rank.output import dumps_for_kernel, plain
 from ddpkit.engine.step import train_step
 
 
@@ -116,7 +117,7 @@ def test_off_cpu_tensors_are_sent_as_cpu_copies(lazy):
     import cloudpickle
 
     t = torch.arange(4.0, device=lazy)
-    record = _plain([t, {"x": t}, (t.sum(),)])
+    record = plain([t, {"x": t}, (t.sum(),)])
     assert record[0].device.type == "cpu" and record[1]["x"].device.type == "cpu"
     assert record[2] == (6.0,)
     value = cloudpickle.loads(dumps_for_kernel({"t": t, "p": torch.nn.Parameter(t.clone())}))

@@ -1,0 +1,139 @@
+"""Everything a rank says to the kernel, over its one pipe.
+
+Messages are small tuples ``(kind, rank, payload, t)``: ``started``, ``metric``, ``print``,
+``return``, ``error``. The kernel never reads a rank's stdout: file descriptors 1 and 2 are
+re-pointed at a pipe whose lines are forwarded as ``print`` messages, so rank output cannot land
+in whichever notebook cell happens to be running. Tensors reach the kernel as CPU tensors.
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+import threading
+import time
+
+import cloudpickle
+import torch
+
+
+def plain(value):
+    """Turn one-element tensors and numpy scalars into Python numbers so records pickle small;
+    other tensors become CPU copies (see `_cpu_copy`), inside lists, tuples and dicts too."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else _cpu_copy(value)
+    if isinstance(value, (list, tuple)):
+        items = [plain(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():
+        return value.item()
+    return value
+
+
+def _cpu_copy(t):
+    """A CPU tensor for the kernel. Records travel through multiprocessing's pickler, for which
+    torch.multiprocessing registers CUDA IPC (``multiprocessing/reductions.py``: the kernel would
+    map this rank's GPU memory, valid only while the rank lives); a pickled CUDA tensor is rebuilt
+    on ``cuda:r`` (``storage.py``: ``torch.save`` keeps its device), so the kernel would use a GPU."""
+    if t.device.type == "cpu":
+        return t
+    out = t.detach().cpu()
+    return out.requires_grad_() if t.requires_grad and t.is_leaf else out
+
+
+class _CpuPickler(cloudpickle.CloudPickler):
+    """cloudpickle that sends every plain tensor as its CPU copy, wherever it sits in the value
+    (a Parameter pickles its ``.data``, a plain tensor, so it is moved too)."""
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and obj.device.type != "cpu":
+            return _cpu_copy(obj).__reduce_ex__(self.proto)
+        return super().reducer_override(obj)
+
+
+def dumps_for_kernel(value):
+    """Pickle a rank's return value with every tensor on CPU."""
+    buf = io.BytesIO()
+    _CpuPickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
+    return buf.getvalue()
+
+
+class Channel:
+    """One rank's pipe to the kernel; thread-safe because output forwarding sends too."""
+
+    def __init__(self, conn, rank):
+        self.conn, self.rank = conn, rank
+        self._lock = threading.Lock()
+
+    def send(self, kind, payload=None):
+        with self._lock:
+            try:
+                self.conn.send((kind, self.rank, payload, time.time()))
+            except (BrokenPipeError, EOFError, OSError):
+                pass  # the kernel is gone or stopped us; nothing left to tell
+
+    def poll(self):
+        with self._lock:
+            return self.conn.poll()
+
+    def recv(self):
+        return self.conn.recv()
+
+
+class OutputForwarder:
+    """Point fds 1 and 2 at a pipe and forward its lines as ``print`` messages.
+
+    ``sync()`` waits until every line written so far has been sent, so a rank's prints always
+    reach the kernel before its ``return`` message does.
+    """
+
+    _MARK = b"\x00ddpkit-sync\n"
+    # kineto prints these on every profiler window (the CPU peak probe opens one per step);
+    # they say nothing about the user's run, so they are not forwarded
+    _NOISE = (b"ActivityProfilerHandler.cpp", b"was allocated before the profiling started")
+
+    def __init__(self, channel):
+        self.channel = channel
+        self._synced = threading.Event()
+        read_fd, write_fd = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        self._thread = threading.Thread(target=self._pump, args=(read_fd,),
+                                        name="ddpkit-output", daemon=True)
+        self._thread.start()
+
+    def _pump(self, read_fd):
+        with os.fdopen(read_fd, "rb") as pipe:
+            for raw in pipe:
+                if raw.endswith(self._MARK):  # after a partial line (print(..., end=""))
+                    head = raw[:-len(self._MARK)]
+                    if head:
+                        self.channel.send("print", head.decode("utf-8", "replace"))
+                    self._synced.set()
+                elif not any(n in raw for n in self._NOISE):
+                    self.channel.send("print", raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def sync(self, timeout=2.0):
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        self._synced.clear()
+        os.write(1, self._MARK)
+        self._synced.wait(timeout)
+
+    def finish(self):
+        """Close our ends so the pump sees EOF after the last line, then wait for it."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os.close(1)
+        os.close(2)
+        self._thread.join(timeout=2)
