@@ -68,7 +68,7 @@ def under_torchrun():
 
 
 def _train_under_torchrun(args):
-    from .explore.api import train_rank
+    from .engine.loop import train_rank
     from .rank.entry import start_job, torchrun_context, torchrun_main
 
     ctx = torchrun_context(seed=args.seed, backend=args.backend, device=args.device)

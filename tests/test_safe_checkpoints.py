@@ -151,7 +151,7 @@ class FullDisk(io.FileIO):
 
 def train_on_a_disk_that_fills(ctx, cfg, bad_rank, bad_folder):
     """train_rank, with every checkpoint write of ``bad_rank`` into ``bad_folder`` failing."""
-    from ddpkit.explore.api import train_rank
+    from ddpkit.engine.loop import train_rank
 
     real = os.fdopen
 

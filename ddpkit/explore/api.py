@@ -1,106 +1,22 @@
 """`train` and `sweep`: a real DDP training run per config, measured per rank and per step.
 
-`train_rank(ctx, cfg)` is the code each rank runs. It is the same function whether
-`ddpkit.launch` spawned the rank or torchrun started it (cli.py), and it only talks to the
-launcher through ``ctx``.
+The kernel side of training: check the config (`preflight`, the doctor), launch
+`ddpkit.engine.loop.train_rank` on the ranks (spawned, or a warm pool), and gather the records
+into a `TrainResult`; `sweep` does that once per combination of a grid.
 """
 from __future__ import annotations
 
 import itertools
 import statistics
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import saving, strategies
 from ..config import TrainConfig
+from ..engine import saving
+from ..engine.data import make_dataset
+from ..engine.loop import train_rank
 from ..runtime.launch import launch
-from ..engine.data import RankBatches, make_dataset
-from ..engine.policies import CheckpointPolicy
-from ..engine.spec import build_model
-from ..engine.probes import ActivationProbe, PeakProbe, StepTimer, state_bytes
-from ..engine.step import train_step, zero_grad
-
-
-
-def _lr_lambda(warmup):
-    return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-
-
-def train_rank(ctx, cfg, live=False, resume_from=None):
-    """Train ``cfg`` on this rank; log one record per optimizer step; rank 0 returns weights.
-
-    live=True: settings sent from the kernel (``RunHandle.send_control``) are read on rank 0
-    and broadcast (about every 0.1 s), so a change lands on every rank at the same step.
-    resume_from: a save_dir (its latest complete checkpoint) or a checkpoint folder.
-    """
-    model = build_model(cfg)[0].to(ctx.device)
-    # the order that works for DDP and FSDP alike: checkpointing first, then wrap (strategies)
-    CheckpointPolicy.from_config(cfg).apply(model, cfg.blocks_path)
-    probes = cfg.probes
-    wrapped, optimizer, comm = strategies.wrap(cfg, model, ctx, count_comm="comm" in probes)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup_steps))
-    scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
-    fsdp = cfg.strategy == "fsdp"
-    # built-in data keep their fixed order (sample i is the same for any world size); a
-    # dataset of yours is shuffled by DistributedSampler, seeded, a new order each epoch
-    data = RankBatches(make_dataset(cfg), ctx.rank, ctx.world_size, seed=cfg.seed,
-                       shuffle=not cfg.builtin)
-    acts = ActivationProbe() if "activations" in probes else None
-    peak = PeakProbe(ctx.device) if "peak" in probes else None
-    timer = StepTimer(ctx.device)
-    accum, setting, consumed, first = cfg.accum_steps, cfg.checkpoint, 0, 0
-    if resume_from is not None:
-        path = saving.latest(resume_from) or resume_from
-        meta = saving.load(ctx, path, wrapped if fsdp else model, optimizer, scheduler, fsdp)
-        first, consumed = meta["step"] + 1, meta["consumed"]
-    for step in range(first, cfg.steps):
-        sent = ctx.sync_controls(step) if live else {}
-        changed = []  # what actually changes at this step, on every rank alike
-        if "checkpoint" in sent and sent["checkpoint"] != setting:
-            setting = sent["checkpoint"]
-            CheckpointPolicy.from_config(cfg, setting).apply(model, cfg.blocks_path)
-            changed.append("checkpoint")
-        if "accum_steps" in sent and int(sent["accum_steps"]) != accum:
-            accum = int(sent["accum_steps"])
-            changed.append("accum_steps")
-        batches = data.micro_batches(consumed, cfg.micro_batch, accum)
-        consumed += ctx.world_size * cfg.micro_batch * accum
-        if comm:
-            comm.reset()
-        if acts:
-            acts.new_step()
-        probe_peak = peak is not None and (ctx.device.type == "cuda" or bool(changed) or
-                                           (step - 1) % cfg.peak_every == 0 or cfg.steps == 1)
-        # static_graph + no_sync() on the very first iteration trips an internal assert in
-        # DDP's reducer (a known torch bug): the first step syncs every micro-batch instead
-        skip_sync = cfg.no_sync and not (cfg.static_graph and step == 0)
-        with timer.time(), (peak.step(model, optimizer) if probe_peak else nullcontext()):
-            loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
-                              precision=cfg.precision, device=ctx.device, scaler=scaler,
-                              activation_probe=acts, inner=model, scheduler=scheduler,
-                              loss_fn=cfg.loss_fn)
-        record = dict(step=step, loss=loss, step_time_s=timer.seconds,
-                      samples_per_s=ctx.world_size * cfg.micro_batch * accum / timer.seconds,
-                      accum_steps=accum, checkpoint=str(setting), changed=",".join(changed),
-                      lr=scheduler.get_last_lr()[0])
-        params, grads, opt = state_bytes(model, optimizer)
-        record.update(param_bytes=params, grad_bytes=grads, optimizer_bytes=opt)
-        if acts:
-            record["activation_bytes"] = acts.max_bytes
-        if probe_peak:
-            record["peak_bytes"] = peak.peak_bytes
-        if comm:
-            record.update(allreduce_calls=comm.calls, allreduce_bytes=comm.bytes)
-        zero_grad(optimizer)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            saving.save(ctx, cfg, step, consumed, wrapped if fsdp else model, optimizer,
-                        scheduler, cfg.save_dir, fsdp)
-            record["saved"] = 1
-        ctx.log(**record)
-    weights = strategies.full_state_dict(cfg, wrapped, model)  # collective under FSDP
-    return weights if ctx.is_main else None
 
 
 @dataclass
