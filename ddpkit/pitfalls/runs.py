@@ -20,6 +20,7 @@ import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -386,10 +387,8 @@ def _python_main(code, timeout=180):
     ``python -c`` does exactly that. (``python -`` does not: it sets ``__file__ = '<stdin>'``,
     and spawn's children then fail to open '<stdin>' as a script, another error.)
     """
-    import ddpkit
-
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(ddpkit.__file__)))
+    root = str(Path(__file__).resolve().parents[2])  # the folder that holds ddpkit/
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], text=True,
                           capture_output=True, timeout=timeout, env=env)

@@ -1,0 +1,105 @@
+"""The package's folders are its architecture: imports point one way, and every import resolves.
+
+Read from the source (every import statement, those inside functions too), not from what a
+session happens to have imported, so a lazy import that points upward or at a moved name fails
+here rather than in the one notebook cell that reaches it.
+"""
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+
+import ddpkit
+
+ROOT = Path(ddpkit.__file__).parent
+
+# part -> the parts it may import (besides itself). Low to high: the shared leaves; what runs
+# inside a rank (rank/) and the training engine (engine/), which know nothing of each other; the
+# config (built on the engine's vocabulary) and the kernel-side runtime (which knows nothing of
+# models); the pitfalls and doctor; the exploring API; the command line and the package root.
+LEAVES = {"errors", "devices", "shipping"}
+ALLOWED = {
+    "errors": set(),
+    "devices": set(),
+    "shipping": set(),
+    "engine": {"devices", "errors"},
+    "rank": {"devices", "errors", "shipping"},
+    "config": {"engine", "devices"},
+    "runtime": {"rank", "devices", "errors", "shipping"},
+    "pitfalls": {"engine", "config", "runtime", "rank", *LEAVES},
+    "explore": {"engine", "config", "runtime", "rank", "pitfalls", *LEAVES},
+    "cli": {"engine", "config", "runtime", "rank", "explore", *LEAVES},
+    "__main__": {"cli"},
+    "__init__": {"engine", "config", "runtime", "rank", "explore", "pitfalls", *LEAVES},
+}
+
+
+def part(module):
+    """'ddpkit.engine.loop' -> 'engine'; 'ddpkit' -> '__init__'."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else "__init__"
+
+
+def modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        is_pkg = name.endswith(".__init__")
+        yield (name[: -len(".__init__")] if is_pkg else name), path, is_pkg
+
+
+def imports(name, path, is_pkg):
+    """(imported module, names taken from it, line) for every import statement in the file."""
+    package = name if is_pkg else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] == "ddpkit":
+                yield base, [a.name for a in node.names], node.lineno
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "ddpkit":
+                    yield a.name, [], node.lineno
+
+
+def test_every_module_imports():
+    for info in pkgutil.walk_packages(ddpkit.__path__, "ddpkit."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+
+
+def test_every_import_in_the_package_resolves():
+    missing = []
+    for name, path, is_pkg in modules():
+        for target, names, line in imports(name, path, is_pkg):
+            module = importlib.import_module(target)
+            for n in names:
+                if not hasattr(module, n):
+                    try:
+                        importlib.import_module(f"{target}.{n}")
+                    except ImportError:
+                        missing.append(f"{path.relative_to(ROOT.parent)}:{line}: {target}.{n}")
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)
+
+
+def test_imports_point_one_way():
+    upward = []
+    for name, path, is_pkg in modules():
+        here = "__main__" if name == "ddpkit.__main__" else part(name)
+        for target, names, line in imports(name, path, is_pkg):
+            targets = [target] if target != "ddpkit" else [f"ddpkit.{n}" for n in names] or [target]
+            for t in targets:
+                there = part(t)
+                if there != here and there not in ALLOWED[here]:
+                    upward.append(f"{path.relative_to(ROOT.parent)}:{line}: {here} imports {t}")
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
+def test_the_config_and_the_runtime_know_nothing_of_each_other():
+    # the config is data the engine reads; the launcher runs functions, never models
+    assert "runtime" not in ALLOWED["config"] and "config" not in ALLOWED["runtime"]
+    assert "engine" not in ALLOWED["runtime"] and "rank" not in ALLOWED["engine"]
