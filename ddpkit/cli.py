@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 
 from .config import TrainConfig
+from .devices import under_torchrun
 
 
 def _checkpoint_arg(text):
@@ -60,11 +60,6 @@ def _config_parser(parser):
 def _config_from(args):
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
-
-
-def under_torchrun():
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
 
 def _train_under_torchrun(args):

@@ -1,15 +1,20 @@
 """`TrainConfig`: every switch of a training run, checked when it is built.
 
 A config is plain data (it pickles to the ranks, binds to widgets, prints as a torchrun command).
-Errors name the field and the fix, at construction, before any process starts.
+Errors name the field and the fix, at construction, before any process starts. It is written in
+the engine's vocabulary (model specs, `CheckpointSetting`, strategy names) and asks `devices`
+where it would run; it knows nothing of launchers, and the engine never imports it.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from .devices import check_bf16, local_world_size, resolve_devices, under_torchrun
 from .engine import spec
+from .engine.models import build_builtin
 from .engine.policies import CheckpointSetting
+from .engine.strategies import COMM_HOOKS, STRATEGIES
 
 MODELS = ("mlp", "gpt")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -104,36 +109,49 @@ class TrainConfig:
     """Free-form tags carried into results (not used by the engine)."""
 
     def __post_init__(self):
-        def bad(name, why, fix):
-            raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}; {fix}")
-
+        # in the order a reader would check them: what to train, how big, how to train it,
+        # what to keep and measure, and last where (the device questions need the rest)
         self._check_model()
+        self._check_sizes()
+        self._check_training()
+        self._check_saving_and_probes()
+        # one value type checks it; the config keeps the plain value (a list, not a tuple)
+        self.checkpoint = CheckpointSetting.of(self.checkpoint, self.n_blocks).plain
+        self._check_devices()
+
+    def _bad(self, name, why, fix):
+        raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}; {fix}")
+
+    def _check_sizes(self):
         for name in ("n_blocks", "width", "mlp_ratio", "seq_len", "vocab", "n_heads", "steps",
                      "peak_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                bad(name, "must be a positive int", f"pass {name}=1 or more")
+                self._bad(name, "must be a positive int", f"pass {name}=1 or more")
         for name, what in (("micro_batch", "samples per rank per micro-step"),
                            ("accum_steps", "micro-batches per optimizer step"),
                            ("world_size", "ranks")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                bad(name, f"must be an int ({what}), got {type(value).__name__}",
-                    f"pass e.g. {name}=2")
+                self._bad(name, f"must be an int ({what}), got {type(value).__name__}",
+                          f"pass e.g. {name}=2")
             if value < 1:
-                bad(name, f"needs at least 1 ({what})", f"pass {name}=1 or more")
+                self._bad(name, f"needs at least 1 ({what})", f"pass {name}=1 or more")
         if self.model == "gpt" and self.width % self.n_heads:
-            bad("n_heads", f"must divide width={self.width}", "pick n_heads that divides width")
+            self._bad("n_heads", f"must divide width={self.width}",
+                      "pick n_heads that divides width")
         if not 0.0 <= self.dropout < 1.0:
-            bad("dropout", "must be in [0, 1)", "pass e.g. dropout=0.1")
+            self._bad("dropout", "must be in [0, 1)", "pass e.g. dropout=0.1")
+
+    def _check_training(self):
+        """Precision, optimizer, strategy and communication hook, and how they combine."""
+        bad = self._bad
         if self.precision not in PRECISIONS:
             bad("precision", "unknown precision", f"pass one of {PRECISIONS}")
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", "unknown optimizer", f"pass one of {OPTIMIZERS}")
         if not self.lr > 0:
             bad("lr", "must be > 0", "pass e.g. lr=0.05")
-        from .engine.strategies import COMM_HOOKS, STRATEGIES
-
         if self.strategy not in STRATEGIES:
             bad("strategy", "unknown strategy", f"pass one of {STRATEGIES}")
         if self.strategy == "fsdp" and self.optimizer == "zero1":
@@ -144,21 +162,20 @@ class TrainConfig:
         if self.comm_hook and self.strategy == "fsdp":
             bad("comm_hook", "DDP communication hooks do not apply to FSDP",
                 "pass comm_hook=None with strategy='fsdp'")
+
+    def _check_saving_and_probes(self):
         for name in ("warmup_steps", "save_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                bad(name, "must be an int >= 0", f"pass {name}=0 (off) or more")
+                self._bad(name, "must be an int >= 0", f"pass {name}=0 (off) or more")
         if self.save_every and not self.save_dir:
-            bad("save_dir", f"save_every={self.save_every} needs a folder",
-                "pass save_dir='checkpoints' (or save_every=0)")
+            self._bad("save_dir", f"save_every={self.save_every} needs a folder",
+                      "pass save_dir='checkpoints' (or save_every=0)")
         if not isinstance(self.measure, bool):
             if not isinstance(self.measure, (list, tuple)) or not set(self.measure) <= set(PROBES):
-                bad("measure", "must be True, False or a list of probe names",
-                    f"pass e.g. measure=['activations'] (probes: {PROBES})")
+                self._bad("measure", "must be True, False or a list of probe names",
+                          f"pass e.g. measure=['activations'] (probes: {PROBES})")
             self.measure = list(self.measure)
-        # one value type checks it; the config keeps the plain value (a list, not a tuple)
-        self.checkpoint = CheckpointSetting.of(self.checkpoint, self.n_blocks).plain
-        self._check_devices()
 
     def _check_model(self):
         if isinstance(self.model, str) and ":" not in self.model and self.model not in MODELS:
@@ -196,8 +213,6 @@ class TrainConfig:
         """`spec.ModelInfo` of the model (blocks, their count, what kind of model), from one
         build on the meta device (cached per factory)."""
         if self.builtin:
-            from .engine.models import build_builtin
-
             return spec.model_info(self.model, "blocks", build=lambda: build_builtin(self))
         return spec.model_info(self.model, self.blocks, self.seed)
 
@@ -217,14 +232,8 @@ class TrainConfig:
         return CheckpointSetting.of(self.checkpoint, self.n_blocks)
 
     def _check_devices(self):
-        import os
-
-        from .devices import check_bf16, resolve_devices
-
-        # under torchrun the world spans machines: this machine runs only LOCAL_WORLD_SIZE ranks
-        here = self.world_size
-        if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
-            here = min(here, int(os.environ["LOCAL_WORLD_SIZE"]))
+        # under torchrun the world spans machines: this machine runs only its own ranks
+        here = local_world_size(self.world_size) if under_torchrun() else self.world_size
         backend, device = resolve_devices(here, self.backend, self.device)
         if self.precision == "fp16" and device != "cuda":
             raise ValueError("TrainConfig.precision='fp16' needs CUDA (GradScaler on CPU is a "

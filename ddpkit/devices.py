@@ -14,6 +14,9 @@ The choices (torch 2.13's ``distributed/distributed_c10d.py`` backs each):
   GPU, gloo carries CUDA tensors (``backend_capability["gloo"] == ["cpu", "cuda"]``). Ranks take
   the GPUs round-robin. It shows DDP's behaviour, not its speed.
 * gloo on CPU where there is no usable GPU.
+
+Under torchrun (`under_torchrun`) the world spans machines: each machine chooses for the ranks it
+runs itself (`local_world_size`), so every rank of a machine makes the same choice.
 """
 from __future__ import annotations
 
@@ -136,3 +139,16 @@ def check_bf16(world_size):
             f"TrainConfig.precision='bf16': this GPU (compute capability "
             f"{used[0][0]}.{used[0][1]}) has no native bf16, which needs 8.0 (Ampere) or newer; "
             f"pass precision='fp16' (with GradScaler) or 'fp32'")
+
+
+def under_torchrun():
+    """Was this process started by torchrun (or a launcher that sets torch's ``env://``
+    variables: RANK, WORLD_SIZE, MASTER_ADDR)? Then it joins that group instead of spawning."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(
+        k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def local_world_size(world_size):
+    """How many of ``world_size`` ranks run on this machine: ``LOCAL_WORLD_SIZE`` where the
+    launcher set it (torchrun does: the world may span machines), else all of them."""
+    return min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))

@@ -44,7 +44,7 @@ class Context:
         ``backend`` and ``device`` as in `ddpkit.launch`."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", rank))
-        here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        here = devices.local_world_size(world)
         # the choice a spawned run of this machine's ranks gets, so every rank agrees on it
         backend, kind = devices.resolve_devices(here, backend, device)
         if kind == "cuda":
