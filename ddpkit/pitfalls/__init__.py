@@ -1,11 +1,17 @@
-"""The pitfall lab: the known DDP + checkpointing + accumulation faults, each one a real run.
+"""The pitfall lab: the known DDP + checkpointing + accumulation faults, each one a real run,
+and the doctor that looks for the same faults in your own model.
 
-``ddpkit.pitfalls.catalog()``, ``get(name)``, ``run(name, fixed=False)``. The doctor
-(`ddpkit.doctor`) lives here too and is imported with ddpkit; the catalogue, its runners and
-the rank code load on first use, so a rank process never pays for them.
+``ddpkit.pitfalls.catalog()``, ``get(name)``, ``run(name, fixed=False)``.
+
+`known.py` (the catalogue, as data) · `fixes.py` (each fix said once, for catalogue and doctor) ·
+`runs.py` (a pitfall's broken and fixed runs on real ranks) · `ranks.py` (what those ranks run) ·
+`scripts.py` (the pitfalls that need a fresh Python, kept as strings) · `doctor.py` (`doctor`,
+imported with ddpkit) over `observe.py` (one watched forward/backward) and `rules.py` (one rule
+per hazard). The catalogue, runners and rank code load on first use, so a rank process never
+pays for them.
 """
 
-_LAZY = {"catalog": ".runs", "get": ".runs", "run": ".runs", "Pitfall": ".runs",
+_LAZY = {"catalog": ".known", "get": ".known", "Pitfall": ".known", "run": ".runs",
          "PitfallResult": ".runs"}
 
 
