@@ -251,6 +251,7 @@ def test_pitfalls_load_lazily_and_every_doctor_finding_names_an_entry():
     import inspect
     import re
 
-    source = inspect.getsource(importlib.import_module("ddpkit.pitfalls.doctor"))
+    source = "".join(inspect.getsource(importlib.import_module(f"ddpkit.pitfalls.{m}"))
+                     for m in ("doctor", "rules"))
     named = set(re.findall(r'Finding\(\s*"(\w+)"', source))
     assert named and named <= {p.name for p in pitfalls.catalog()}
