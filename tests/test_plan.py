@@ -115,5 +115,5 @@ def test_bad_budgets_name_the_fix(value, message):
 
 def test_budget_strings_and_unknown_gpus():
     assert parse_bytes("12GiB") == 12 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
-    with pytest.raises(ValueError, match=r"gpu='Z80' is not in ddpkit.plan.GPUS"):
+    with pytest.raises(ValueError, match=r"gpu='Z80' is not in ddpkit.explore.plan.GPUS"):
         ddpkit.estimate(ddpkit.TrainConfig()).fits("Z80")

@@ -14,7 +14,7 @@ either checkpointed (only its input is kept; its inside is recomputed in backwar
 * a list of booleans (selective): block i is checkpointed on its own where the list says True.
 
 `CheckpointPolicy(setting, n_blocks).apply(model)` installs a setting on any model whose blocks
-`ddpkit.blocks.find_blocks` finds, by giving the chosen modules an instance ``forward`` (as
+`ddpkit.engine.blocks.find_blocks` finds, by giving the chosen modules an instance ``forward`` (as
 ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` does, but without wrapping the
 module): parameters and state_dict keys are untouched, and a new policy can replace the old one
 between steps (the lab does this mid-run).

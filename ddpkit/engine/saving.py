@@ -92,7 +92,7 @@ def _barrier():
 
 
 # RNG states as tensors and lists, so that torch.load(weights_only=True) reads them back
-def _rng_state():
+def _saved_rng_states():
     version, internal, gauss = random.getstate()
     state = {"torch": torch.get_rng_state(),
              "python": [version, torch.tensor(internal, dtype=torch.int64), gauss]}
@@ -108,7 +108,7 @@ def _rng_state():
     return state
 
 
-def _set_rng_state(state):
+def _restore_rng_states(state):
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]  # a tuple in checkpoints from before the tensor
     random.setstate((version, tuple(internal.tolist() if torch.is_tensor(internal) else internal),
@@ -153,7 +153,7 @@ def save(ctx, cfg, step, consumed, model, optimizer, scheduler, save_dir, fsdp=F
                                    "scheduler": scheduler.state_dict()}, folder / "state.pt")
     rng = folder / f"rng_rank{ctx.rank}.pt"
     with _writing(ctx, rng):
-        atomic_torch_save(_rng_state(), rng)
+        atomic_torch_save(_saved_rng_states(), rng)
     _barrier()  # every part is on disk before the checkpoint is declared complete
     if ctx.is_main:
         meta = {"step": step, "consumed": consumed, "world_size": ctx.world_size,
@@ -379,5 +379,5 @@ def load(ctx, path, model, optimizer, scheduler, fsdp=False):
     scheduler.load_state_dict(state["scheduler"])
     rng = path / f"rng_rank{ctx.rank}.pt"
     if rng.exists():
-        _set_rng_state(safe_load(rng))
+        _restore_rng_states(safe_load(rng))
     return meta

@@ -76,7 +76,7 @@ class Estimate:
 
     def fits(self, gpu):
         """`plan.Fit` (truthy if it fits) on a GPU name ('T4', 'A100-80GB', 'H100': see
-        `ddpkit.plan.GPUS`) or a byte count, with this config's checkpoint setting."""
+        `ddpkit.explore.plan.GPUS`) or a byte count, with this config's checkpoint setting."""
         from .plan import fits
 
         return fits(self.config, gpu)

@@ -55,7 +55,7 @@ def usable_bytes(gpu):
     """Bytes a training step can use on a named GPU (or a byte count given as is)."""
     if isinstance(gpu, str):
         if gpu not in GPUS:
-            raise ValueError(f"gpu={gpu!r} is not in ddpkit.plan.GPUS ({', '.join(GPUS)}); pass "
+            raise ValueError(f"gpu={gpu!r} is not in ddpkit.explore.plan.GPUS ({', '.join(GPUS)}); pass "
                              f"one of those or a byte count such as 16 * 2**30")
         total = GPUS[gpu]
         return int((total - CUDA_CONTEXT) * (1 - ALLOCATOR_RESERVE))
