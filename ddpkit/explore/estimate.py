@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..engine.policies import CheckpointPolicy, segments_for
+from .units import human_bytes
 
 F32, I64 = 4, 8
 
@@ -106,7 +107,7 @@ class Estimate:
         return {**out, "total": self.total}
 
     def __repr__(self):
-        mib = lambda b: f"{b / 2**20:.2f} MiB"
+        mib = human_bytes
         return (f"Estimate(params={mib(self.params)}, grads={mib(self.grads)}, "
                 f"optimizer={mib(self.optimizer)}, activations={mib(self.activations)}, "
                 f"total={mib(self.total)})")

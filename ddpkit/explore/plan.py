@@ -31,23 +31,23 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-GiB, MiB = 2**30, 2**20
+from .units import GIB, KIB, MIB, TIB, human_bytes
 
 # usable memory per GPU: the card's memory less what the CUDA context and the caching allocator
 # take before a tensor is made (about 0.5 GiB context on recent drivers; we keep 5% more aside
 # for the allocator's rounding and fragmentation). Stated here, not hidden in the figures.
-CUDA_CONTEXT = 512 * MiB
+CUDA_CONTEXT = 512 * MIB
 ALLOCATOR_RESERVE = 0.05
 GPUS = {
-    "T4": 16 * GiB,
-    "V100-16GB": 16 * GiB,
-    "V100-32GB": 32 * GiB,
-    "A10G": 24 * GiB,
-    "L4": 24 * GiB,
-    "A100-40GB": 40 * GiB,
-    "A100-80GB": 80 * GiB,
-    "H100": 80 * GiB,
-    "H200": 141 * GiB,
+    "T4": 16 * GIB,
+    "V100-16GB": 16 * GIB,
+    "V100-32GB": 32 * GIB,
+    "A10G": 24 * GIB,
+    "L4": 24 * GIB,
+    "A100-40GB": 40 * GIB,
+    "A100-80GB": 80 * GIB,
+    "H100": 80 * GIB,
+    "H200": 141 * GIB,
 }
 
 
@@ -73,7 +73,7 @@ def parse_bytes(value, name="memory_budget"):
         if m:
             unit = (m.group(2) or "B").upper()
             scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+                     "KIB": KIB, "MIB": MIB, "GIB": GIB, "TIB": TIB}[unit]
             return int(float(m.group(1)) * scale)
     raise ValueError(f"{name}={value!r}: pass bytes (an int > 0) or a string like '12GiB' or "
                      f"'512MiB'")
@@ -95,8 +95,9 @@ class Fit:
 
     def __repr__(self):
         verdict = "fits" if self else "does not fit"
-        return (f"Fit({verdict} {self.where}: {self.predicted / GiB:.2f} GiB predicted of "
-                f"{self.usable / GiB:.2f} GiB usable; not counted: fragmentation, NCCL buffers, "
+        gib = lambda n: human_bytes(n, "GiB", 2)  # noqa: E731
+        return (f"Fit({verdict} {self.where}: {gib(self.predicted)} predicted of "
+                f"{gib(self.usable)} usable; not counted: fragmentation, NCCL buffers, "
                 f"DDP buckets, the step's temporaries)")
 
 
@@ -155,12 +156,13 @@ class Plan:
                              for c in self.frontier])
 
     def __repr__(self):
+        gib = lambda n: human_bytes(n, "GiB", 3)  # noqa: E731
         if self.choice is None:
-            alts = "; ".join(f"{a['change']}: {a['predicted'] / GiB:.3f} GiB" for a in self.alternatives)
-            return f"Plan(nothing fits {self.budget / GiB:.3f} GiB; would fit: {alts or 'nothing tried'})"
+            alts = "; ".join(f"{a['change']}: {gib(a['predicted'])}" for a in self.alternatives)
+            return f"Plan(nothing fits {gib(self.budget)}; would fit: {alts or 'nothing tried'})"
         c = self.choice
-        return (f"Plan(checkpoint={c.checkpoint}, {c.total / GiB:.3f} GiB of {self.budget / GiB:.3f} "
-                f"GiB per rank, FLOP ratio {c.flops_ratio:.3f})")
+        return (f"Plan(checkpoint={c.checkpoint}, {gib(c.total)} of {gib(self.budget)} per rank, "
+                f"FLOP ratio {c.flops_ratio:.3f})")
 
 
 # ----------------------------------------------------------------------------- the figures
@@ -300,7 +302,7 @@ def fits(cfg, gpu):
     mask = cfg.checkpointing.mask
     keeps = [b.keeps for b, on in zip(est.blocks, mask) if on]
     predicted = est.params + est.grads + est.optimizer + est.activations + max(keeps, default=0)
-    where = gpu if isinstance(gpu, str) else f"{parse_bytes(gpu, 'gpu') / GiB:.2f} GiB"
+    where = gpu if isinstance(gpu, str) else f"{human_bytes(parse_bytes(gpu, 'gpu'), 'GiB', 2)}"
     return Fit(predicted, usable_bytes(gpu), where)
 
 

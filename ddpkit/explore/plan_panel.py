@@ -8,6 +8,7 @@ import html
 import ipywidgets as W
 
 from .plan import GPUS, parse_bytes, plan
+from .units import MIB
 
 NO_GPU = "(budget)"
 
@@ -40,14 +41,14 @@ class PlanPanel:
             return None
         self.last = p
         if p.choice is None:
-            alts = "".join(f"<li>{html.escape(a['change'])}: {a['predicted'] / 2**20:.2f} MiB"
+            alts = "".join(f"<li>{html.escape(a['change'])}: {a['predicted'] / MIB:.2f} MiB"
                            f"{' (fits)' if a['fits'] else ''}</li>" for a in p.alternatives)
-            self.readout.value = (f"<b>nothing fits {p.budget / 2**20:.2f} MiB</b> with any "
+            self.readout.value = (f"<b>nothing fits {p.budget / MIB:.2f} MiB</b> with any "
                                   f"checkpoint choice; instead:<ul>{alts}</ul>")
             return p
         self.lab.set(checkpoint=p.checkpoint)
         c = p.choice
         self.readout.value = (f"plan: {sum(c.mask)} of {len(c.mask)} blocks checkpointed, "
-                              f"{c.total / 2**20:.2f} MiB of {p.budget / 2**20:.2f} MiB per rank, "
+                              f"{c.total / MIB:.2f} MiB of {p.budget / MIB:.2f} MiB per rank, "
                               f"FLOP ratio {c.flops_ratio:.3f}")
         return p
