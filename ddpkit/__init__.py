@@ -1,7 +1,13 @@
 """ddpkit: explore DDP, activation checkpointing, gradient accumulation and precision, live.
 
+The folders are the architecture, and imports point one way (tests/test_layout.py checks it):
+``errors``, ``devices``, ``shipping`` (shared by kernel and ranks) ← ``engine/`` (the training
+engine) and ``rank/`` (inside a rank process) ← ``config`` (built on the engine's vocabulary) and
+``runtime/`` (the kernel side of a run) ← ``pitfalls/`` (the catalogue and the doctor) ←
+``explore/`` (train, sweep, estimate, plan, the Lab) ← ``cli`` and this file.
+
 Light at import: rank processes import this package too, so the notebook-only parts
-(widgets, plots) load on first use.
+(widgets, plots) and the pitfall runners load on first use.
 """
 from .errors import RankError, RankStalled
 from .runtime.handle import RunHandle, RunResult
