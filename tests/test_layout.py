@@ -6,7 +6,9 @@ here rather than in the one notebook cell that reaches it.
 """
 import ast
 import importlib
+import importlib.util
 import pkgutil
+import types
 from pathlib import Path
 
 import ddpkit
@@ -103,3 +105,52 @@ def test_the_config_and_the_runtime_know_nothing_of_each_other():
     # the config is data the engine reads; the launcher runs functions, never models
     assert "runtime" not in ALLOWED["config"] and "config" not in ALLOWED["runtime"]
     assert "engine" not in ALLOWED["runtime"] and "rank" not in ALLOWED["engine"]
+
+
+def _uses_outside_the_package():
+    """(file, line, module path) for every ddpkit import in tests, bench and notebook cells."""
+    import json
+
+    repo = ROOT.parent
+    sources = [(p, p.read_text()) for p in [*repo.glob("tests/**/*.py"), *repo.glob("bench/*.py")]]
+    for nb in sorted(repo.glob("notebooks/*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        sources.append((nb, "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")))
+    for path, text in sources:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:  # a notebook cell with IPython syntax: read it line by line below
+            tree = ast.parse("\n".join(l for l in text.splitlines()
+                                       if l.lstrip().startswith(("import ddpkit", "from ddpkit"))))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module and \
+                    node.module.split(".")[0] == "ddpkit":
+                yield path, node.lineno, node.module, [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "ddpkit":
+                        yield path, node.lineno, a.name, []
+
+
+def _origin(full, imported_as_module=True):
+    """Where ``full`` would be imported from; None for a function or class of the package
+    (``from ddpkit import train``), which is no module."""
+    parent, _, name = full.rpartition(".")
+    if parent and not imported_as_module:
+        obj = getattr(importlib.import_module(parent), name, None)
+        if obj is not None and not isinstance(obj, types.ModuleType):
+            return None
+    spec = importlib.util.find_spec(full)
+    return "nowhere" if spec is None else spec.origin
+
+
+def test_tests_bench_and_notebooks_import_this_package_only():
+    # a module path that no longer exists here must fail, not be found elsewhere (an older
+    # ddpkit installed in the environment would otherwise answer for it, silently)
+    wrong = []
+    for path, line, module, names in _uses_outside_the_package():
+        for full, as_module in [(module, True)] + [(f"{module}.{n}", False) for n in names]:
+            origin = _origin(full, as_module)
+            if origin is not None and ROOT not in Path(origin).resolve().parents:
+                wrong.append(f"{path.name}:{line}: {full} comes from {origin}")
+    assert not wrong, "\n".join(wrong)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ddpkit
-from ddpkit import saving
+from ddpkit.engine import saving
 from procs import rank_children
 
 MLP = dict(model="mlp", n_blocks=2, width=16, world_size=2, micro_batch=4, steps=2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit import saving
+from ddpkit.engine import saving
 
 # pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
 CPU = dict(backend="gloo", device="cpu")
