@@ -20,3 +20,4 @@ def fmt_bytes(n, digits=3):
         return "-"
     name, size = byte_unit(n)
     return f"{n:.0f} B" if size == 1 else f"{n / size:.{digits}g} {name}"
+MIB = 2**20
