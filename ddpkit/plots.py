@@ -50,7 +50,8 @@ class _Feeder(anywidget.AnyWidget):
     _esm = """
     function extend(item, tries) {
       const [cls, idx, xs, ys] = item;
-      const gds = document.querySelectorAll("." + cls + " .js-plotly-plot");
+      // the figure's view element is its plot div (class added with add_class)
+      const gds = document.querySelectorAll(`.${cls}.js-plotly-plot, .${cls} .js-plotly-plot`);
       const Plotly = window.Plotly;  // set by plotly's widget bundle
       const ready = Plotly && gds.length &&
         Array.from(gds).every(gd => gd.data && gd.data.length > Math.max(...idx));

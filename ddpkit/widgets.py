@@ -56,7 +56,7 @@ class Lab:
     def _build(self):
         c, n = self.cfg, self.cfg.n_blocks
         style = {"description_width": "110px"}
-        full = lambda: W.Layout(width="100%", max_width="400px")
+        full = lambda: W.Layout(width="auto", max_width="380px")
         self.controls = {
             "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style,
                                       layout=full()),
@@ -90,7 +90,7 @@ class Lab:
         self.torchrun_text = W.Textarea(layout=W.Layout(width="100%", height="48px",
                                                         display="none"))
         self.progress = W.IntProgress(0, 0, c.steps, description="progress", style=style,
-                                      layout=W.Layout(width="100%", max_width="400px"))
+                                      layout=W.Layout(width="auto", max_width="380px"))
         self.progress_label = W.Label("", layout=W.Layout(width="100%"))
         self.estimate_html = W.HTML()
         self.banner = W.HTML()
@@ -127,6 +127,7 @@ class Lab:
                                                     grid_gap="8px"))
         self.widget = W.VBox([self.banner, self.traceback, main, out_box, self.history_html],
                              layout=W.Layout(width="100%"))
+        self.widget.add_class("ddpkit-lab")  # the browser test finds the lab by it
 
     def _on_smooth(self, change):
         for fig in (self.plots.loss,):
