@@ -271,7 +271,8 @@ class LivePlots:
             if new is None:
                 resend.append(t)
             elif new[0]:
-                i = self.figures.index(t.fig)
+                # by identity: a figure's == compares whole figures (to_dict, deep copies)
+                i = next(k for k, fig in enumerate(self.figures) if fig is t.fig)
                 idx, xs, ys = by_fig.setdefault(i, ([], [], []))
                 idx.append(next(k for k, tr in enumerate(t.fig.data) if tr is t.trace))
                 xs.append(new[0])
