@@ -16,7 +16,7 @@ from .train import TrainResult, sweep, train
 __version__ = "0.1.0"
 
 # loaded on first use: name -> module (the attribute of the same name, or the module itself)
-_LAZY = {"Lab": ".widgets", "LivePlots": ".plots", "pitfalls": ".pitfalls"}
+_LAZY = {"Lab": ".widgets", "LivePlots": ".plots", "pitfalls": ".pitfalls", "tradeoff": ".report"}
 
 
 def __getattr__(name):

@@ -1,0 +1,23 @@
+"""Byte counts in the unit that suits their size (KiB / MiB / GiB), for tables, bars and axes."""
+from __future__ import annotations
+
+UNITS = (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40))
+
+
+def byte_unit(n):
+    """(name, size) of the largest unit in which ``n`` bytes is at least 1 (B below 1 KiB)."""
+    n = abs(n or 0)
+    name, size = UNITS[0]
+    for u, s in UNITS:
+        if n >= s:
+            name, size = u, s
+    return name, size
+
+
+def fmt_bytes(n, digits=3):
+    """``1536`` -> ``'1.5 KiB'``; None -> ``'-'``."""
+    if n is None or n != n:  # None or NaN
+        return "-"
+    name, size = byte_unit(n)
+    return f"{n:.0f} B" if size == 1 else f"{n / size:.{digits}g} {name}"
+MIB = 2**20
