@@ -115,7 +115,10 @@ class Lab:
             display="flex", flex_flow="row wrap", align_items="center", **kw))
         # controls beside the plots when the cell is wide, above them when it is narrow
         # (a wrapping flex row); the plots fill the rest of the width in a grid (plots.py)
-        left = W.VBox([*self.controls.values(), box(self.block_toggles),
+        from .plan_panel import PlanPanel
+
+        self.planner = PlanPanel(self)  # a budget or a GPU in: the block toggles set to the plan
+        left = W.VBox([*self.controls.values(), box(self.block_toggles), self.planner.widget,
                        box([self.run_button, self.stop_button]),
                        self.progress, self.progress_label, self.smooth, self.estimate_html,
                        self.torchrun_button, self.torchrun_text],

@@ -236,3 +236,23 @@ def test_long_runs_are_thinned_with_a_few_full_sends():
     assert loss.shown <= 100 and loss.stride == 32  # 2000 / 32 = 63 points shown
     assert full_sends == 5  # strides 2, 4, 8, 16, 32: one full send each, the rest new points
     assert len(plots.points("loss")) == 2000  # the kernel keeps every point
+
+
+def test_the_planner_box_sets_the_block_toggles_to_the_plan():
+    cfg = ddpkit.TrainConfig(**{**CFG, "model": "gpt", "width": 32, "optimizer": "adamw"})
+    with ddpkit.Lab(cfg, display=False) as lab:
+        est = ddpkit.estimate(cfg)
+        budget = est.params + est.grads + est.optimizer + est.activations // 2
+        lab.planner.budget.value = f"{budget}B"
+        p = ddpkit.plan(lab.config(), budget)
+        assert p.fits and lab.planner.last.checkpoint == p.checkpoint
+        assert [t.value for t in lab.block_toggles] == p.checkpoint
+        assert lab.config().checkpoint == p.checkpoint
+        assert f"FLOP ratio {p.choice.flops_ratio:.3f}" in lab.planner.readout.value
+        lab.planner.budget.value = "1B"  # nothing fits: the alternatives are listed
+        assert "nothing fits" in lab.planner.readout.value
+        lab.planner.budget.value = "12 parsecs"
+        assert "pass bytes" in lab.planner.readout.value
+        lab.planner.budget.value = ""
+        lab.planner.gpu.value = "T4"  # a T4 holds this tiny model without any checkpointing
+        assert lab.planner.last.checkpoint is None and not any(t.value for t in lab.block_toggles)
