@@ -52,8 +52,8 @@ def main(argv=None):
     for model, cfg, settings in configs:
         if not cfg.builtin:
             est_times.append((model, f"{_estimate_seconds(cfg):.2f}"))
-        sweep = ddpkit.sweep(cfg, checkpoint=settings)
-        for setting, row in zip(settings, sweep):
+        sweep = ddpkit.sweep(cfg, checkpoint=settings, progress=False)
+        for setting, (_, row) in zip(settings, sweep.iterrows()):
             measured, predicted = row["activation_bytes"], row["predicted_activation_bytes"]
             err = abs(measured - predicted) / predicted
             worst = max(worst, err)

@@ -24,7 +24,8 @@ from .explore.api import TrainResult, sweep, train
 __version__ = "0.1.0"
 
 # loaded on first use: name -> module (the attribute of the same name, or the module itself)
-_LAZY = {"Lab": ".explore.widgets", "LivePlots": ".explore.plots", "pitfalls": ".pitfalls"}
+_LAZY = {"Lab": ".explore.widgets", "LivePlots": ".explore.plots", "pitfalls": ".pitfalls",
+         "tradeoff": ".explore.demo"}
 
 
 def __getattr__(name):

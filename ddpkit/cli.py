@@ -14,6 +14,7 @@ import sys
 
 from .config import TrainConfig
 from .devices import under_torchrun
+from .explore.demo import DEMO_STEPS
 
 
 def _checkpoint_arg(text):
@@ -73,10 +74,15 @@ def _train_under_torchrun(args):
 
     def work(ctx):
         start_job(ctx, cfg.seed)  # seeded as a spawned rank would be
+        progress = Progress(cfg, args.verbose) if ctx.is_main else None
+        ctx.on_record = progress or (lambda record: None)  # only global rank 0 reports
         train_rank(ctx, cfg)
-        if args.json and ctx.is_main:
-            with open(args.json, "w") as fh:
-                json.dump(ctx.records, fh)
+        if ctx.is_main:
+            progress.close()
+            print(summary_table(cfg, ctx.records))
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(ctx.records, fh)
 
     torchrun_main(ctx, work)
 
@@ -84,17 +90,82 @@ def _train_under_torchrun(args):
 def _train(args):
     if under_torchrun():
         return _train_under_torchrun(args)
-    from .rank.context import format_record
     from .explore.api import train
 
-    res = train(_config_from(args))
-    for m in res.metrics:
-        if m["rank"] == 0:
-            print(format_record(m))
-    print(res)
+    cfg = _config_from(args)
+    progress = Progress(cfg, args.verbose)
+    try:
+        res = train(cfg, on_metric=progress)
+    finally:
+        progress.close()
+    print(summary_table(cfg, res.metrics))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res.metrics, fh)
+
+
+class Progress:
+    """A tqdm bar on stderr for one run, fed rank 0's records (step, loss, memory in MiB,
+    ms/step); with ``verbose`` each record is also printed to stdout as ``key=value`` fields."""
+
+    def __init__(self, cfg, verbose=False):
+        from tqdm import tqdm
+
+        self.verbose, self.mem, self.started = verbose, None, False
+        self.bar = tqdm(total=cfg.steps, desc="starting ranks", unit="step", file=sys.stderr,
+                        dynamic_ncols=True)
+
+    def __call__(self, record):
+        if record.get("rank", 0) != 0:
+            return
+        if not self.started:  # rates from the first step on, not from the launch
+            self.started = True
+            self.bar.reset()
+            self.bar.set_description("train", refresh=False)
+        from .explore.units import MIB
+
+        # memory: the last measured peak (the probe runs every peak_every steps), else the
+        # model states plus this step's activations
+        states = sum(record.get(k, 0) for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+        self.mem = record.get("peak_bytes", self.mem) or states + record.get("activation_bytes", 0)
+        self.bar.set_postfix_str(f"loss {record['loss']:.4f}, mem {self.mem / MIB:.2f} MiB, "
+                                 f"{1000 * record['step_time_s']:.1f} ms/step", refresh=False)
+        self.bar.update(1)
+        if self.verbose:
+            from .rank.context import format_record
+            self.bar.write(format_record(record), file=sys.stdout)
+
+    def close(self):
+        self.bar.close()
+
+
+def summary_table(cfg, records):
+    """What a run came to, in human units (rank 0, medians over the steps after the first)."""
+    from .explore.api import TrainResult
+    from .explore.units import fmt_bytes
+
+    s = TrainResult(cfg, records, None).summary()
+    m0 = [m for m in records if m["rank"] == 0]
+    rows = [("steps", f"{len(m0)} of {cfg.steps}, {cfg.world_size} ranks, global batch "
+                      f"{cfg.global_batch}"),
+            ("final loss", f"{s['final_loss']:.4f} (mean over ranks)"),
+            ("step time", f"{1000 * s['step_time_s']:.2f} ms median, IQR "
+                          f"{1000 * s['step_time_iqr_s']:.2f} ms"),
+            ("samples/s", f"{cfg.global_batch / s['step_time_s']:.0f}"),
+            ("checkpoint", cfg.checkpointing.describe())]
+    if "activation_bytes" in s:
+        rows.append(("activations", f"{fmt_bytes(s['activation_bytes'])} per rank"))
+    if "peak_bytes" in s:
+        rows.append(("peak memory", f"{fmt_bytes(s['peak_bytes'])} per rank"))
+    last = m0[-1]
+    rows.append(("model states", f"params {fmt_bytes(last['param_bytes'])}, grads "
+                                 f"{fmt_bytes(last['grad_bytes'])}, optimizer "
+                                 f"{fmt_bytes(last['optimizer_bytes'])}"))
+    if "allreduce_calls" in s:
+        rows.append(("all-reduce", f"{s['allreduce_calls']:.0f} per step, "
+                                   f"{fmt_bytes(s['allreduce_bytes'])} per step"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def _demo(args):
@@ -107,10 +178,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="ddpkit", description="DDP + checkpointing explorer")
     sub = parser.add_subparsers(dest="command", required=True)
     t = _config_parser(sub.add_parser("train", help="train one config (spawns ranks, or joins torchrun's)"))
-    t.add_argument("--json", default=None, help="write the records (rank 0's under torchrun) as JSON to this file")
+    t.add_argument("--json", default=None, help="write the raw records (rank 0's under torchrun) as JSON to this file")
+    t.add_argument("--verbose", "-v", action="store_true",
+                   help="also print every step's record (key=value) on stdout")
     d = sub.add_parser("demo", help="small sweep on CPU + gloo, prints a table, writes an HTML report")
     d.add_argument("--out", default="ddpkit-report.html")
-    d.add_argument("--steps", type=int, default=4)
+    d.add_argument("--steps", type=int, default=DEMO_STEPS,
+                   help="steps per setting (the step-time medians need a few dozen)")
     args = parser.parse_args(argv)
     try:
         return {"train": _train, "demo": _demo}[args.command](args)

@@ -44,7 +44,23 @@ def test_same_command_under_torchrun_gives_the_same_losses(tmp_path):
     ref = ddpkit.train(cfg)
     loss = lambda recs: [m["loss"] for m in recs if m["rank"] == 0]
     assert loss(torchrun) == pytest.approx(loss(ref.metrics), abs=1e-6)
-    assert "step=2" in proc.stdout  # rank 0 prints its records
+    assert "final loss" in proc.stdout and "step=" not in proc.stdout  # the summary, no per-step lines
+    assert "3/3" in proc.stderr  # global rank 0's progress bar
+
+
+def test_cli_shows_a_progress_bar_and_a_summary_in_human_units(tmp_path, capsys):
+    main(["train", *ARGS])
+    out, err = capsys.readouterr()
+    # tqdm on stderr: the bar reached the last step, with loss, memory and speed
+    assert "3/3" in err and "100%" in err
+    assert "loss " in err and " MiB" in err and "ms/step" in err
+    # the summary on stdout, in KiB/MiB; no per-step records without --verbose
+    assert "final loss" in out and "step time" in out and "activations" in out
+    assert "KiB per rank" in out and "step=" not in out
+    main(["train", *ARGS, "--verbose"])
+    out, _ = capsys.readouterr()
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("rank=0 step=")] == [
+        "step=0", "step=1", "step=2"]
 
 
 def test_cli_config_error_names_the_field(capsys):
@@ -65,11 +81,14 @@ def test_to_torchrun_prints_a_cluster_command():
 def test_demo_writes_a_self_contained_report(tmp_path, capsys):
     from ddpkit.explore.demo import demo
     out = tmp_path / "report.html"
-    table = demo(out=str(out), steps=2, segments=[None, 2], n_blocks=4, width=32, seq_len=16)
+    table = demo(out=str(out), steps=3, segments=[None, 2], n_blocks=4, width=32, seq_len=16,
+                 progress=False)
     text = out.read_text()
     assert len(table) == 2 and "Memory per rank vs checkpoint segments" in text
+    assert "Pareto frontier" in text and "activations vs recompute" in text  # the trade-off
     assert "plotly" in text and "<script" in text and "cdn.plot.ly" not in text.split("<script")[1][:200]
-    assert "| checkpoint |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "checkpoint" in printed and "IQR ms" in printed and "KiB" in printed
     assert not list(tmp_path.glob(".tmp-*"))  # atomic write left no temp file
 
 

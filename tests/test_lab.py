@@ -165,3 +165,94 @@ def test_lab_runs_a_transformers_model_with_its_own_blocks():
     assert by_step[step]["activation_bytes"] == ddpkit.estimate(
         cfg.replace(checkpoint=[True, False, True, False])).activations
     assert by_step[0]["activation_bytes"] == ddpkit.estimate(cfg).activations
+
+
+def _records(step, world_size=2):
+    return [dict(rank=r, step=step, loss=1.0 / (step + 1), step_time_s=0.004, accum_steps=1,
+                 checkpoint="None", changed="", activation_bytes=40_000, allreduce_calls=1,
+                 **({"peak_bytes": 900_000} if step % 10 == 1 else {}))
+            for r in range(world_size)]
+
+
+def _one_update(plots, steps):
+    """Feed `steps` records per rank, then capture every widget message of the next update."""
+    import ipywidgets as W
+
+    sent, send = [], W.Widget._send
+    for s in steps:
+        for rec in _records(s):
+            plots.add(rec)
+    W.Widget._send = lambda self, msg, buffers=None: sent.append((self, msg))
+    try:
+        assert plots.flush(force=True)
+    finally:
+        W.Widget._send = send
+    return sent
+
+
+def _numbers(obj):
+    if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        return 1
+    if isinstance(obj, dict):
+        return sum(_numbers(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_numbers(v) for v in obj)
+    return 0
+
+
+@pytest.mark.parametrize("history", [300, 3000])
+def test_a_plot_update_sends_only_the_new_points(history):
+    plots = ddpkit.LivePlots(world_size=2, max_points=10_000)
+    plots.new_run(2, predict=lambda rec: 40_000)
+    for s in range(history):  # a run already this long, flushed as the lab does
+        for rec in _records(s):
+            plots.add(rec)
+        if s % 7 == 0:
+            plots.flush(force=True)
+    plots.flush(force=True)
+    sent = _one_update(plots, range(history, history + 5))  # 5 new optimizer steps
+    # one message, to the feeder, carrying the new points only, whatever the run's length: per
+    # rank 5 steps x (loss, its EMA, activations, step time) + 1 peak (step history + 1), and
+    # rank 0's all-reduce calls and prediction for the 5 steps
+    assert [w for w, _ in sent] == [plots.feeder]
+    extend = sent[0][1]["content"]["extend"]
+    points = 2 * (5 * 4 + 1) + 2 * 5
+    assert sum(len(x) for _, _, xs, _ in extend for x in xs) == points
+    indices = sum(len(idx) for _, idx, _, _ in extend)
+    assert _numbers(extend) == 2 * points + indices  # an x and a y per point, nothing else
+    assert plots.points("loss", 1)[-1] == 1.0 / (history + 5)
+
+
+def test_long_runs_are_thinned_with_a_few_full_sends():
+    plots = ddpkit.LivePlots(world_size=1, max_points=100)
+    full_sends = 0
+    for s in range(2000):
+        plots.add(_records(s, 1)[0])
+        if s % 5 == 4:
+            before = list(plots.loss.data[0].x or [])
+            plots.flush(force=True)
+            full_sends += list(plots.loss.data[0].x or []) != before
+    loss = plots._traces[("loss", 0)]
+    assert loss.shown <= 100 and loss.stride == 32  # 2000 / 32 = 63 points shown
+    assert full_sends == 5  # strides 2, 4, 8, 16, 32: one full send each, the rest new points
+    assert len(plots.points("loss")) == 2000  # the kernel keeps every point
+
+
+def test_the_planner_box_sets_the_block_toggles_to_the_plan():
+    cfg = ddpkit.TrainConfig(**{**CFG, "model": "gpt", "width": 32, "optimizer": "adamw"})
+    with ddpkit.Lab(cfg, display=False) as lab:
+        est = ddpkit.estimate(cfg)
+        budget = est.params + est.grads + est.optimizer + est.activations // 2
+        lab.planner.budget.value = f"{budget}B"
+        p = ddpkit.plan(lab.config(), budget)
+        assert p.fits and lab.planner.last.checkpoint == p.checkpoint
+        assert [t.value for t in lab.block_toggles] == p.checkpoint
+        assert lab.config().checkpoint == p.checkpoint
+        assert f"FLOP ratio {p.choice.flops_ratio:.3f}" in lab.planner.readout.value
+        lab.planner.budget.value = "1B"  # nothing fits: the alternatives are listed
+        assert "nothing fits" in lab.planner.readout.value
+        lab.planner.budget.value = "12 parsecs"
+        assert "pass bytes" in lab.planner.readout.value
+        lab.planner.budget.value = ""
+        lab.planner.gpu.value = "T4"  # a T4 holds this tiny model without any checkpointing
+        assert lab.planner.last.checkpoint is None and not any(t.value for t in lab.block_toggles)

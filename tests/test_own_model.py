@@ -65,10 +65,9 @@ def test_accumulation_2x4_equals_one_batch_of_8(pool):
 def test_sweep_over_checkpoint_settings_of_a_transformers_model(pool):
     cfg = ddpkit.TrainConfig(**MODELS["llama"], **{**RUN, "steps": 2})
     table = ddpkit.sweep(cfg, pool=pool, checkpoint=[None, [True, False, True, False]])
-    assert [r["checkpoint"] for r in table] == ["none", "[True, False, True, False]"]
-    for r in table:
-        assert r["activation_bytes"] == r["predicted_activation_bytes"]
-    assert table[1]["recompute_flops_ratio"] > table[0]["recompute_flops_ratio"] == 1.0
+    assert list(table.checkpoint) == ["none", "[True, False, True, False]"]
+    assert (table.activation_bytes == table.predicted_activation_bytes).all()
+    assert table.recompute_flops_ratio[1] > table.recompute_flops_ratio[0] == 1.0
 
 
 def test_blocks_found_in_each_model():

@@ -133,14 +133,37 @@ def test_bf16_autocast_runs_on_cpu(pool):
 
 
 def test_sweep_gives_one_row_per_combination(pool):
-    table = ddpkit.sweep(ddpkit.TrainConfig(**{**TINY, "steps": 2}), pool=pool,
-                         checkpoint=[None, 2], accum_steps=[1, 2])
-    assert [(r["checkpoint"], r["accum_steps"]) for r in table] == [
-        ("none", 1), ("none", 2), (2, 1), (2, 2)]
-    for r in table:
-        assert r["activation_bytes"] == r["predicted_activation_bytes"]
-    assert table[0]["recompute_flops_ratio"] == 1.0 and table[2]["recompute_flops_ratio"] > 1.0
-    assert "| checkpoint | accum_steps |" in table.to_markdown()
+    import pandas as pd
+    from ddpkit.explore.api import SWEEP_COLUMNS
+
+    table = ddpkit.sweep(ddpkit.TrainConfig(**{**TINY, "steps": 3}), pool=pool,
+                         checkpoint=[None, 2], accum_steps=[1, 2], progress=False)
+    assert isinstance(table, pd.DataFrame)
+    assert list(table.columns) == ["checkpoint", "accum_steps", *SWEEP_COLUMNS]
+    assert list(zip(table.checkpoint, table.accum_steps)) == [("none", 1), ("none", 2), (2, 1), (2, 2)]
+    assert (table.activation_bytes == table.predicted_activation_bytes).all()
+    assert table.recompute_flops_ratio[0] == 1.0 and table.recompute_flops_ratio[2] > 1.0
+    assert (table.step_time_iqr_ms >= 0).all() and (table.step_time_ms > 0).all()
+    # each row keeps its run: the TrainResult of exactly that setting
+    assert [r.config.accum_steps for r in table.result] == [1, 2, 1, 2]
+    assert table.final_loss[3] == table.result[3].summary()["final_loss"]
+
+
+def test_tradeoff_marks_the_pareto_frontier():
+    import pandas as pd
+    from ddpkit.explore.demo import pareto
+
+    # cost, memory: (1.0, 10) (1.1, 6) (1.2, 8: beaten by 1.1) (1.3, 3)
+    assert pareto([1.0, 1.1, 1.2, 1.3], [10, 6, 8, 3]) == [0, 1, 3]
+    df = pd.DataFrame({"checkpoint": ["none", 2, 3, "full"], "final_loss": [0.1] * 4,
+                       "step_time_ms": [5.0, 6.0, 7.0, 6.5], "step_time_iqr_ms": [0.5] * 4,
+                       "activation_bytes": [10 * 2**20, 6 * 2**20, 8 * 2**20, 3 * 2**20],
+                       "peak_bytes": [2**30] * 4, "recompute_flops_ratio": [1.0, 1.1, 1.2, 1.3]})
+    fig = ddpkit.tradeoff(df)
+    front = [t for t in fig.data if t.name == "Pareto frontier"]
+    assert [list(t.x) for t in front] == [[1.0, 1.1, 1.3], [5.0, 6.0, 6.5]]
+    assert list(front[0].text) == ["checkpoint=none", "checkpoint=2", "checkpoint=full"]
+    assert "MiB" in fig.layout.yaxis.title.text  # the unit fits the size
 
 
 # --- 4. bad config, at construction
@@ -201,5 +224,5 @@ def test_doctor_leaves_the_kernel_rng_alone():
 
 def test_sweep_over_world_sizes_uses_a_pool_per_size():
     table = ddpkit.sweep(ddpkit.TrainConfig(**{**TINY, "steps": 1}), world_size=[1, 2])
-    assert [r["world_size"] for r in table] == [1, 2]
-    assert [r["_result"].run.world_size for r in table] == [1, 2]
+    assert list(table.world_size) == [1, 2]
+    assert [r.run.world_size for r in table.result] == [1, 2]

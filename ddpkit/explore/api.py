@@ -35,23 +35,39 @@ class TrainResult:
 
     def summary(self):
         """Medians over steps (after the first, which pays one-off costs) of rank 0."""
-        m0 = [m for m in self.metrics if m["rank"] == 0]
-        steady = m0[1:] or m0
-        peaks = [m["peak_bytes"] for m in m0 if "peak_bytes" in m]
-        out = {"final_loss": statistics.fmean(m["loss"] for m in self.metrics
-                                              if m["step"] == m0[-1]["step"]),
-               "step_time_s": statistics.median(m["step_time_s"] for m in steady)}
-        for key in ("activation_bytes", "allreduce_calls", "allreduce_bytes", "optimizer_bytes"):
-            if key in m0[0]:
-                out[key] = statistics.median(m[key] for m in steady)
-        if peaks:
-            out["peak_bytes"] = max(peaks)
-        return out
+        return summarize(self.metrics)
 
     def __repr__(self):
         s = self.summary()
         return (f"TrainResult(steps={self.config.steps}, world_size={self.config.world_size}, "
                 f"final_loss={s['final_loss']:.4f}, step_time_s={s['step_time_s']:.4f})")
+
+
+def summarize(metrics):
+    """A run's records in a few figures: medians over rank 0's steps after the first (which
+    pays one-off costs), the final loss over all ranks, the highest peak. Shared by
+    `TrainResult.summary` and the Lab's history."""
+    m0 = [m for m in metrics if m["rank"] == 0]
+    steady = m0[1:] or m0
+    peaks = [m["peak_bytes"] for m in m0 if "peak_bytes" in m]
+    out = {"final_loss": statistics.fmean(m["loss"] for m in metrics
+                                          if m["step"] == m0[-1]["step"]),
+           "step_time_s": statistics.median(m["step_time_s"] for m in steady),
+           "step_time_iqr_s": _iqr([m["step_time_s"] for m in steady])}
+    for key in ("activation_bytes", "allreduce_calls", "allreduce_bytes", "optimizer_bytes"):
+        if key in m0[0]:
+            out[key] = statistics.median(m[key] for m in steady)
+    if peaks:
+        out["peak_bytes"] = max(peaks)
+    return out
+
+
+def _iqr(values):
+    """Interquartile range (0 for fewer than 2 values)."""
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[2] - q[0]
 
 
 def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, resume_from=None,
@@ -134,9 +150,29 @@ def recompute_flops_ratio(cfg):
     return traced_flops(cfg, cfg.checkpoint) / traced_flops(cfg, None)
 
 
-def sweep(cfg: TrainConfig, pool=None, **grid):
+SWEEP_COLUMNS = ("final_loss", "step_time_ms", "step_time_iqr_ms", "activation_bytes",
+                 "predicted_activation_bytes", "peak_bytes", "allreduce_calls",
+                 "recompute_flops_ratio", "result")
+
+
+def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
     """One run per combination of the grid's values, e.g.
-    ``sweep(cfg, checkpoint=[None, 2, 4], accum_steps=[1, 2])``. Returns a `Table`."""
+    ``sweep(cfg, checkpoint=[None, 2, 4], accum_steps=[1, 2])``.
+
+    Returns a ``pandas.DataFrame``, one row per setting in grid order: a column per grid field
+    (``None`` shown as ``"none"``), then ``final_loss``; ``step_time_ms`` (median of rank 0's
+    steps after the first) and ``step_time_iqr_ms`` (their interquartile range: run more
+    ``steps`` when it is wide); ``activation_bytes`` (measured) and
+    ``predicted_activation_bytes`` (`ddpkit.estimate`); ``peak_bytes``; ``allreduce_calls``;
+    ``recompute_flops_ratio`` (FLOPs over those without checkpointing, counted, not timed); and
+    ``result``, the run's `TrainResult` (``df.result[0].per_rank("loss")``).
+    `ddpkit.tradeoff(df)` draws memory against recompute and step time.
+
+    progress: a ``tqdm.auto`` bar over every setting's steps (a widget in a notebook, a text bar
+    on stderr elsewhere); False for none.
+    """
+    import pandas as pd
+
     from .estimate import estimate
     from ..devices import resolve_devices
     from ..runtime.pool import Pool
@@ -153,65 +189,55 @@ def sweep(cfg: TrainConfig, pool=None, **grid):
         pools[(pool.world_size, pool.backend, pool.device)] = pool
     given = set(pools.values())
     rows = []
+    bar = _sweep_bar(progress, sum(c.steps for c in configs))
     try:
         for combo, c in zip(combos, configs):
             key = (c.world_size, *resolve_devices(c.world_size, c.backend, c.device))
             if key not in pools:
                 pools[key] = Pool(*key)
-            res = train(c, pool=pools[key])
+            label = ", ".join(f"{k}={_label(v)}" for k, v in combo.items())
+            if bar is not None:
+                bar.set_description(label)
+            res = train(c, pool=pools[key], on_metric=_bar_updater(bar))
             s = res.summary()
-            est = estimate(c)
             rows.append({**{k: _label(v) for k, v in combo.items()},
-                         "final_loss": round(s["final_loss"], 5),
-                         "step_time_ms": round(1000 * s["step_time_s"], 2),
+                         "final_loss": s["final_loss"],
+                         "step_time_ms": 1000 * s["step_time_s"],
+                         "step_time_iqr_ms": 1000 * s["step_time_iqr_s"],
                          "activation_bytes": int(s.get("activation_bytes", 0)),
-                         "predicted_activation_bytes": est.activations,
+                         "predicted_activation_bytes": estimate(c).activations,
                          "peak_bytes": int(s.get("peak_bytes", 0)),
                          "allreduce_calls": int(s.get("allreduce_calls", 0)),
                          "recompute_flops_ratio": round(recompute_flops_ratio(c), 4),
-                         "_result": res})
+                         "result": res})
     finally:
+        if bar is not None:
+            bar.close()
         for p in pools.values():
             if p not in given:
                 p.close()
-    return Table(rows)
+    return pd.DataFrame(rows, columns=[*grid, *SWEEP_COLUMNS])
+
+
+def _sweep_bar(progress, total):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="step", leave=True)
+
+
+def _bar_updater(bar):
+    """on_metric for a sweep's bar: one tick per optimizer step of rank 0 (drain thread)."""
+    if bar is None:
+        return None
+
+    def tick(record):
+        if record["rank"] == 0:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+    return tick
 
 
 def _label(v):
     return "none" if v is None else (str(v) if not isinstance(v, (int, float)) else v)
-
-
-class Table:
-    """Rows of dicts; prints as a text table, shows as HTML in a notebook."""
-
-    def __init__(self, rows):
-        self.rows = rows
-
-    @property
-    def columns(self):
-        return [k for k in self.rows[0] if not k.startswith("_")] if self.rows else []
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def to_markdown(self):
-        cols = self.columns
-        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in self.rows]
-        return "\n".join(lines)
-
-    def __repr__(self):
-        return self.to_markdown()
-
-    def _repr_html_(self):
-        cols = self.columns
-        head = "".join(f"<th>{c}</th>" for c in cols)
-        body = "".join("<tr>" + "".join(f"<td>{r[c]}</td>" for c in cols) + "</tr>"
-                       for r in self.rows)
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

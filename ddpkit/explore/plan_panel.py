@@ -17,15 +17,16 @@ class PlanPanel:
     def __init__(self, lab):
         self.lab = lab
         self.budget = W.Text(placeholder="e.g. 12GiB", description="memory budget",
-                             continuous_update=False, style={"description_width": "120px"},
-                             layout=W.Layout(width="240px"))
+                             continuous_update=False, style={"description_width": "110px"},
+                             layout=W.Layout(width="230px"))
         self.gpu = W.Dropdown(options=[NO_GPU, *GPUS], value=NO_GPU, description="or GPU",
-                              layout=W.Layout(width="200px"))
+                              style={"description_width": "56px"}, layout=W.Layout(width="170px"))
         self.readout = W.HTML()
         self.last = None  # the last Plan, for code and tests
         self.budget.observe(lambda _: self.apply(), names="value")
         self.gpu.observe(lambda _: self.apply(), names="value")
-        self.widget = W.VBox([W.HBox([self.budget, self.gpu]), self.readout])
+        row = W.Box([self.budget, self.gpu], layout=W.Layout(display="flex", flex_flow="row wrap"))
+        self.widget = W.VBox([row, self.readout])
 
     def apply(self):
         """Plan for what the boxes say and set the Lab's block toggles to it."""

@@ -1,19 +1,33 @@
-"""Live plotly figures that follow a run: loss per rank; activation and peak memory per rank
-beside the predicted line; step time and all-reduce calls per step.
+"""Live plotly figures that follow a run: loss per rank (raw, and smoothed by an EMA); activation
+and peak memory per rank beside the predicted line; step time and all-reduce calls per step.
 
-Records arrive on ddpkit's drain thread; `LivePlots.add` only appends to a buffer. `flush()`
-pushes the buffer into the `FigureWidget`s in place, inside ``batch_update()`` (one message per
-figure), and is called at a bounded rate (``max_hz``, 10 by default) by the lab's refresher. Past
-``max_points`` points a trace is thinned to every k-th point, so a long run stays cheap. Finished
-runs stay as faded overlays.
+Records arrive on ddpkit's drain thread; `LivePlots.add` only appends to a buffer. `flush()` is
+called at a bounded rate (``max_hz``, 10 by default) by the lab's refresher and sends **only the
+points that arrived since the last flush**: one small custom message to a tiny anywidget
+(`_Feeder`) whose front end calls ``Plotly.extendTraces`` on the figures in the page. A
+``FigureWidget`` update re-sends every trace's whole arrays, so its cost grows with the run (82 ms
+per update at 5,000 points, TORCH_NOTES); this stays flat (bench/live_plots.py measures both).
+
+Very long runs are thinned: a trace keeps every ``stride``-th point, and when it would pass
+``max_points`` the stride doubles and the thinned trace is sent once in full (log2(steps /
+max_points) times in a run). `sync()` (at the end of a run) writes the shown points into the
+FigureWidgets' own state too, so a re-rendered view draws them. The previous run stays as a faded
+overlay; older ones are dropped.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
-MIB = 2**20
+import anywidget
+import traitlets
+
+from .units import MIB, byte_unit
+
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+PREDICTED = "#555555"
+_ids = itertools.count()
 
 
 def thin(xs, ys, max_points):
@@ -27,31 +41,107 @@ def thin(xs, ys, max_points):
     return [xs[i] for i in idx], [ys[i] for i in idx]
 
 
-class LivePlots:
-    """Three FigureWidgets (``loss``, ``memory``, ``timing``) fed by records."""
+class _Feeder(anywidget.AnyWidget):
+    """Appends points to the figures of one `LivePlots` in the browser (``Plotly.extendTraces``).
 
-    def __init__(self, world_size=2, max_hz=10.0, max_points=2000, height=340):
+    A message: ``{"extend": [[css class, [trace index...], [[x...]...], [[y...]...]], ...]}``.
+    The figures' own FigureWidget views draw them; this only finds their plot divs by class."""
+
+    _esm = """
+    function extend(item, tries) {
+      const [cls, idx, xs, ys] = item;
+      // the figure's view element is its plot div (class added with add_class)
+      const gds = document.querySelectorAll(`.${cls}.js-plotly-plot, .${cls} .js-plotly-plot`);
+      const Plotly = window.Plotly;  // set by plotly's widget bundle
+      const ready = Plotly && gds.length &&
+        Array.from(gds).every(gd => gd.data && gd.data.length > Math.max(...idx));
+      if (!ready) {  // the figure (or a trace just added) is not drawn yet: try again soon
+        if (tries < 100) setTimeout(() => extend(item, tries + 1), 50);
+        return;
+      }
+      for (const gd of gds) Plotly.extendTraces(gd, {x: xs, y: ys}, idx);
+    }
+    function initialize({ model }) {
+      model.on("msg:custom", msg => { for (const item of msg.extend || []) extend(item, 0); });
+    }
+    function render({ model, el }) {}
+    export default { initialize, render };
+    """
+    points_sent = traitlets.Int(0)  # kernel side only: what tests and the benchmark read
+
+
+class _Trace:
+    """One trace's points (all kept in the kernel) and what of them the browser holds."""
+
+    def __init__(self, fig, trace):
+        self.fig, self.trace = fig, trace
+        self.xs, self.ys = [], []
+        self.stride, self.sent = 1, 0  # next index of xs not yet considered for sending
+        self.shown = 0
+
+    def take_new(self, max_points):
+        """The new points to send, or None when the trace must be re-sent in full (thinned)."""
+        new = [i for i in range(self.sent, len(self.xs)) if i % self.stride == 0]
+        self.sent = len(self.xs)
+        if self.shown + len(new) <= max_points:
+            self.shown += len(new)
+            return [self.xs[i] for i in new], [self.ys[i] for i in new]
+        while len(self.xs) / self.stride > max_points:
+            self.stride *= 2
+        return None
+
+    def thinned(self):
+        return self.xs[::self.stride], self.ys[::self.stride]
+
+
+class LivePlots:
+    """Three FigureWidgets (``loss``, ``memory``, ``timing``) fed by records; ``widget`` lays
+    them out in a grid that fills the cell's width."""
+
+    def __init__(self, world_size=2, max_hz=10.0, max_points=2000, height=330, ema=0.95):
+        import ipywidgets as W
         import plotly.graph_objects as go
 
-        legend = dict(orientation="h", y=-0.3)
-        self.max_hz, self.max_points = max_hz, max_points
+        if not 0 <= ema < 1:
+            raise ValueError(f"LivePlots(ema={ema!r}): the smoothing factor must be in [0, 1); "
+                             f"pass e.g. ema=0.95 (0 turns the smoothed loss off)")
+        self.max_hz, self.max_points, self.ema = max_hz, max_points, ema
         self._lock = threading.Lock()
         self._pending = []
         self._last_flush = 0.0
         self.flushes = 0
-        self.loss = go.FigureWidget(layout=dict(title="loss per rank", height=height,
-                                                xaxis_title="optimizer step", yaxis_title="loss",
-                                                margin=dict(t=40, b=40, l=50, r=10), legend=legend))
-        self.memory = go.FigureWidget(layout=dict(title="memory per rank (MiB)", height=height,
-                                                  xaxis_title="optimizer step", yaxis_title="MiB",
-                                                  margin=dict(t=40, b=40, l=50, r=10), legend=legend))
-        self.timing = go.FigureWidget(layout=dict(
-            title="step time (ms) and all-reduce calls", height=height,
-            xaxis_title="optimizer step", yaxis=dict(title="ms"),
-            yaxis2=dict(title="all-reduces", overlaying="y", side="right"),
-            margin=dict(t=40, b=40, l=50, r=50), legend=legend))
-        self._traces = {}
-        self._data = {}
+        self._uid = f"ddpkit-plots-{next(_ids)}-{int(time.time() * 1000) % 10**6}"
+        # legends above the plot area, wrapped to its width: nothing is cut at the right edge
+        legend = dict(orientation="h", x=0, xanchor="left", y=1.0, yanchor="bottom",
+                      font=dict(size=11), bgcolor="rgba(255,255,255,0.6)")
+
+        def figure(title, ytitle, **extra):
+            layout = dict(title=dict(text=title, x=0.01, xanchor="left", y=0.98, yanchor="top",
+                                     font=dict(size=14)),
+                          height=height, autosize=True, legend=legend,
+                          xaxis=dict(title=dict(text="optimizer step", standoff=4)),
+                          yaxis=dict(title=dict(text=ytitle, standoff=4)),
+                          margin=dict(t=92, b=44, l=56, r=16), template="plotly_white", **extra)
+            fig = go.FigureWidget(layout=layout)
+            fig._config = {"responsive": True, "displaylogo": False}
+            return fig
+
+        self.loss = figure("loss per rank", "loss")
+        self.memory = figure("memory per rank", "MiB")
+        self.timing = figure("step time and all-reduce calls", "ms per step",
+                             yaxis2=dict(title=dict(text="all-reduces per step", standoff=4),
+                                         overlaying="y", side="right", rangemode="tozero",
+                                         showgrid=False))
+        self.timing.layout.margin.r = 56
+        for i, fig in enumerate(self.figures):
+            fig.add_class(f"{self._uid}-{i}")
+        self.feeder = _Feeder()
+        self.widget = W.GridBox(
+            [*self.figures, self.feeder],
+            layout=W.Layout(grid_template_columns="repeat(auto-fill, minmax(440px, 1fr))",
+                            grid_gap="4px 8px", width="100%"))
+        self._traces, self._ema, self._marks = {}, {}, 0
+        self._mem_unit = ("MiB", MIB)
         self.new_run(world_size)
 
     @property
@@ -60,35 +150,49 @@ class LivePlots:
 
     # --- runs
     def new_run(self, world_size, predict=None, label="run"):
-        """Fade the traces of the run before and start fresh ones for this run."""
+        """Fade the traces of the run before (dropping older ones) and start fresh ones."""
         with self._lock:
             self._pending.clear()
         for fig in self.figures:
             with fig.batch_update():
+                if any(t.meta == "faded" for t in fig.data):  # only the last run stays
+                    fig.data = [t for t in fig.data if t.meta != "faded"]
                 for tr in fig.data:
-                    tr.opacity = 0.25
+                    tr.meta = "faded"
+                    tr.opacity = 0.2
                     tr.showlegend = False
+                    tr.hoverinfo = "skip"
                 fig.layout.shapes = ()
                 fig.layout.annotations = ()
-        self._traces, self._data = {}, {}
+        self._traces, self._ema, self._marks = {}, {}, 0
+        self._mem_unit = None  # chosen from the first memory values of the run
         for r in range(world_size):
             c = COLORS[r % len(COLORS)]
-            self._add(self.loss, ("loss", r), f"rank {r}", c)
-            self._add(self.memory, ("activation_bytes", r), f"activations r{r}", c)
-            self._add(self.memory, ("peak_bytes", r), f"peak r{r}", c, dash="dot", mode="lines+markers")
-            self._add(self.timing, ("step_time_s", r), f"step ms r{r}", c)
-            self._add(self.timing, ("allreduce_calls", r), f"all-reduces r{r}", c, dash="dot",
-                      yaxis="y2")
+            self._add(self.loss, ("loss", r), f"rank {r}", c,
+                      width=1, opacity=0.45 if self.ema else 1.0)
+            if self.ema:
+                self._add(self.loss, ("loss_ema", r), f"rank {r} EMA", c, width=2.5)
+            self._add(self.memory, ("activation_bytes", r), f"activations r{r} (measured)", c,
+                      width=2)
+            self._add(self.memory, ("peak_bytes", r), f"peak r{r} (measured)", c,
+                      mode="markers", marker=dict(symbol="diamond", size=8, color=c,
+                                                  line=dict(width=1, color="white")))
+            self._add(self.timing, ("step_time_s", r), f"step ms r{r}", c, width=1.5)
+        self._add(self.timing, ("allreduce_calls", 0), "all-reduces", "#7f7f7f", dash="dot",
+                  yaxis="y2", width=2)
         self._predict = predict  # record -> predicted activation bytes (estimate.py)
         if predict is not None:
-            self._add(self.memory, ("predicted", 0), "activations predicted", "#7f7f7f", dash="dash")
+            self._add(self.memory, ("predicted", 0), "activations predicted", PREDICTED,
+                      dash="dash", width=2.5)
         self._label = label
 
-    def _add(self, fig, key, name, color, dash=None, mode="lines", yaxis=None):
-        fig.add_scatter(x=[], y=[], name=name, mode=mode, line=dict(color=color, dash=dash),
+    def _add(self, fig, key, name, color, dash=None, mode="lines", yaxis=None, width=2,
+             opacity=1.0, marker=None):
+        fig.add_scatter(x=[], y=[], name=name, mode=mode, opacity=opacity,
+                        line=dict(color=color, dash=dash, width=width),
+                        **({"marker": marker} if marker else {}),
                         **({"yaxis": yaxis} if yaxis else {}))
-        self._traces[key] = (fig, fig.data[-1])
-        self._data[key] = ([], [])
+        self._traces[key] = _Trace(fig, fig.data[-1])
 
     # --- records (drain thread)
     def add(self, record):
@@ -96,12 +200,29 @@ class LivePlots:
             self._pending.append(record)
 
     def mark(self, step, text):
-        """A vertical line where a mid-run change landed, on every figure."""
+        """A vertical line where a mid-run change landed, on every figure; its label (on the
+        loss figure) is staggered in height so that several changes stay readable."""
+        row = self._marks % 4
+        self._marks += 1
         for fig in self.figures:
-            fig.add_vline(x=step, line=dict(color="#444", dash="dot"), annotation_text=text,
-                          annotation_position="top left")
+            fig.add_vline(x=step, line=dict(color="#444", dash="dot", width=1))
+        self.loss.add_annotation(x=step, xref="x", y=0.97 - 0.09 * row, yref="paper", text=text,
+                                 showarrow=False, xanchor="left", xshift=3, font=dict(size=10),
+                                 bgcolor="rgba(255,255,255,0.85)", bordercolor="#999",
+                                 borderwidth=1, borderpad=2)
 
     # --- figure updates (bounded rate)
+    def _memory_scale(self, rec):
+        if self._mem_unit is None:
+            seen = [rec.get(k, 0) for k in ("peak_bytes", "activation_bytes")]
+            if self._predict is not None:
+                seen.append(self._predict(rec))
+            if max(seen) == 0:
+                return MIB
+            self._mem_unit = byte_unit(max(seen))
+            self.memory.layout.yaxis.title.text = self._mem_unit[0]
+        return self._mem_unit[1]
+
     def flush(self, force=False):
         now = time.monotonic()
         if not force and now - self._last_flush < 1.0 / self.max_hz:
@@ -114,28 +235,82 @@ class LivePlots:
         marks = []
         for rec in batch:
             r, step = rec["rank"], rec.get("step")
-            for key, scale in (("loss", 1), ("activation_bytes", 1 / MIB), ("peak_bytes", 1 / MIB),
+            mem = self._memory_scale(rec) if ("activation_bytes" in rec or "peak_bytes" in rec) \
+                else None
+            for key, scale in (("loss", 1), ("activation_bytes", mem), ("peak_bytes", mem),
                                ("step_time_s", 1000), ("allreduce_calls", 1)):
-                if key in rec and (key, r) in self._data:
-                    xs, ys = self._data[(key, r)]
-                    xs.append(step)
-                    ys.append(rec[key] * scale)
+                t = self._traces.get((key, r))
+                if key in rec and t is not None:
+                    t.xs.append(step)
+                    t.ys.append(rec[key] / scale if key in ("activation_bytes", "peak_bytes")
+                                else rec[key] * scale)
+            if ("loss_ema", r) in self._traces:
+                n, avg = self._ema.get(r, (0, 0.0))
+                n, avg = n + 1, self.ema * avg + (1 - self.ema) * rec["loss"]
+                self._ema[r] = (n, avg)
+                t = self._traces[("loss_ema", r)]
+                t.xs.append(step)
+                t.ys.append(avg / (1 - self.ema ** n))  # bias-corrected, as Adam's moments
             if self._predict is not None and r == 0:
-                xs, ys = self._data[("predicted", 0)]
-                xs.append(step)
-                ys.append(self._predict(rec) / MIB)
+                t = self._traces[("predicted", 0)]
+                t.xs.append(step)
+                t.ys.append(self._predict(rec) / (mem or MIB))
             if rec.get("changed") and r == 0:
-                marks.append((step, rec["changed"] + " changed"))
-        for fig in self.figures:
-            with fig.batch_update():
-                for key, (owner, trace) in self._traces.items():
-                    if owner is fig:
-                        trace.x, trace.y = thin(*self._data[key], self.max_points)
+                marks.append((step, _change_text(rec)))
+        self._send()
         for step, text in marks:
             self.mark(step, text)
         self.flushes += 1
         return True
 
+    def _send(self):
+        """One message with every trace's new points; full re-sends only when thinning."""
+        by_fig, resend = {}, []
+        for t in self._traces.values():
+            new = t.take_new(self.max_points)
+            if new is None:
+                resend.append(t)
+            elif new[0]:
+                # by identity: a figure's == compares whole figures (to_dict, deep copies)
+                i = next(k for k, fig in enumerate(self.figures) if fig is t.fig)
+                idx, xs, ys = by_fig.setdefault(i, ([], [], []))
+                idx.append(next(k for k, tr in enumerate(t.fig.data) if tr is t.trace))
+                xs.append(new[0])
+                ys.append(new[1])
+        if by_fig:
+            msg = [[f"{self._uid}-{i}", idx, xs, ys] for i, (idx, xs, ys) in by_fig.items()]
+            self.feeder.send({"extend": msg})
+            self.feeder.points_sent += sum(len(x) for _, _, xs, _ in msg for x in xs)
+        for t in resend:  # rare: the stride just doubled
+            xs, ys = t.thinned()
+            t.trace.x, t.trace.y = xs, ys
+            t.shown = len(xs)
+
+    def sync(self):
+        """Write the points the browser shows into the FigureWidgets' own state (one full send
+        per trace; the lab calls it when a run ends), so a re-rendered view is complete."""
+        for fig in self.figures:
+            with fig.batch_update():
+                for t in self._traces.values():
+                    if t.fig is fig:
+                        t.trace.x, t.trace.y = t.thinned()
+
     def points(self, key, rank=0):
-        """What the figure holds for a trace now (tests read this)."""
-        return list(self._data.get((key, rank), ([], []))[1])
+        """Every value a trace has received this run (tests read this)."""
+        t = self._traces.get((key, rank))
+        return list(t.ys) if t is not None else []
+
+
+def _change_text(rec):
+    """A short label for a mid-run change: 'ckpt 2', 'ckpt off', 'accum 4'."""
+    parts = []
+    for kind in rec["changed"].split(","):
+        if kind == "checkpoint":
+            value = rec.get("checkpoint", "?")
+            value = "off" if value == "None" else ("per block" if value.startswith("[") else value)
+            parts.append(f"ckpt {value}")
+        elif kind == "accum_steps":
+            parts.append(f"accum {rec.get('accum_steps', '?')}")
+        else:
+            parts.append(kind)
+    return f"step {rec['step']}: " + ", ".join(parts)

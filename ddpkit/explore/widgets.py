@@ -13,17 +13,17 @@ with the culprit's traceback (the lab is ready for the next run at once).
 from __future__ import annotations
 
 import html
-import statistics
 import threading
 import time
 
 import ipywidgets as W
 
 from ..engine.blocks import block_names
-from ..config import TrainConfig
+from ..config import PRECISIONS, TrainConfig
 from ..errors import RankError, RankStalled
 from .estimate import activation_bytes, estimate
-from .plots import MIB, LivePlots
+from .plots import LivePlots
+from .units import fmt_bytes
 from ..engine.policies import CheckpointSetting
 
 FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"
@@ -33,7 +33,7 @@ class Lab:
     """``lab = ddpkit.Lab(cfg)`` shows the dashboard; ``lab.run()``, ``lab.wait()``,
     ``lab.stop()`` do what the buttons do; ``lab.history`` has one row per finished run."""
 
-    def __init__(self, cfg=None, display=True, max_hz=10.0):
+    def __init__(self, cfg=None, display=True, max_hz=10.0, ema=0.95):
         if cfg is not None and not isinstance(cfg, TrainConfig):
             raise TypeError(f"Lab() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
                             f"build one with ddpkit.TrainConfig(...)")
@@ -44,7 +44,7 @@ class Lab:
         self.history, self.metrics, self.findings = [], [], []
         self._pool = self._handle = self._refresher = None
         self._syncing = False
-        self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz)
+        self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz, ema=ema)
         self._build()
         self._read_config(self.cfg)
         self._update_estimate()
@@ -54,32 +54,43 @@ class Lab:
     # ------------------------------------------------------------------ widgets
     def _build(self):
         c, n = self.cfg, self.cfg.n_blocks
-        style = {"description_width": "120px"}
+        style = {"description_width": "110px"}
+        full = lambda: W.Layout(width="auto", max_width="380px")
         self.controls = {
-            "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style),
+            "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style,
+                                      layout=full()),
             "segments": W.IntSlider(0, 0, n, description="ckpt segments", style=style,
+                                    layout=full(),
                                     tooltip="0 = off; s = checkpoint_sequential segments "
                                             "(the last segment is never checkpointed)"),
-            "use_reentrant": W.Checkbox(c.use_reentrant, description="use_reentrant"),
-            "accum_steps": W.IntSlider(c.accum_steps, 1, 16, description="accum steps", style=style),
-            "micro_batch": W.IntSlider(c.micro_batch, 1, 64, description="micro batch", style=style),
-            "precision": W.Dropdown(options=["fp32", "bf16", "fp16"], value=c.precision,
-                                    description="precision", style=style),
-            "no_sync": W.Checkbox(c.no_sync, description="no_sync"),
-            "steps": W.BoundedIntText(c.steps, 1, 100_000, description="steps", style=style),
+            "use_reentrant": W.Checkbox(c.use_reentrant, description="use_reentrant",
+                                        indent=False),
+            "accum_steps": W.IntSlider(c.accum_steps, 1, 16, description="accum steps",
+                                       style=style, layout=full()),
+            "micro_batch": W.IntSlider(c.micro_batch, 1, 64, description="micro batch",
+                                       style=style, layout=full()),
+            "precision": W.Dropdown(options=list(PRECISIONS), value=c.precision,
+                                    description="precision", style=style, layout=full()),
+            "no_sync": W.Checkbox(c.no_sync, description="no_sync", indent=False),
+            "steps": W.BoundedIntText(c.steps, 1, 100_000, description="steps", style=style,
+                                      layout=full()),
         }
         # one toggle per block the config found in the model (its full module name as tooltip)
         self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint {name}",
                                              layout=W.Layout(width="44px"))
                               for i, name in enumerate(block_names(c.blocks_path, range(n)))]
+        self.smooth = W.Checkbox(bool(self.plots.ema), description="smoothed loss (EMA)",
+                                 indent=False, disabled=not self.plots.ema)
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop",
                                     disabled=True)
-        self.torchrun_button = W.Button(description="copy as torchrun command", icon="terminal")
+        self.torchrun_button = W.Button(description="copy as torchrun command", icon="terminal",
+                                        layout=W.Layout(width="auto"))
         self.torchrun_text = W.Textarea(layout=W.Layout(width="100%", height="48px",
                                                         display="none"))
-        self.progress = W.IntProgress(0, 0, c.steps, description="steps", style=style)
-        self.progress_label = W.Label("")
+        self.progress = W.IntProgress(0, 0, c.steps, description="progress", style=style,
+                                      layout=W.Layout(width="auto", max_width="380px"))
+        self.progress_label = W.Label("", layout=W.Layout(width="100%"))
         self.estimate_html = W.HTML()
         self.banner = W.HTML()
         self.traceback = W.Accordion(children=[W.HTML()], layout=W.Layout(display="none"))
@@ -97,14 +108,35 @@ class Lab:
         self.stop_button.on_click(lambda _: self.stop())
         self.torchrun_button.on_click(lambda _: self._show_torchrun())
 
-        left = W.VBox([*self.controls.values(), W.HBox(self.block_toggles),
-                       W.HBox([self.run_button, self.stop_button]),
-                       W.HBox([self.progress, self.progress_label]), self.estimate_html,
+        self.smooth.observe(self._on_smooth, names="value")
+
+        box = lambda items, **kw: W.Box(items, layout=W.Layout(
+            display="flex", flex_flow="row wrap", align_items="center", **kw))
+        # controls beside the plots when the cell is wide, above them when it is narrow
+        # (a wrapping flex row); the plots fill the rest of the width in a grid (plots.py)
+        from .plan_panel import PlanPanel
+
+        self.planner = PlanPanel(self)  # a budget or a GPU in: the block toggles set to the plan
+        left = W.VBox([*self.controls.values(), box(self.block_toggles), self.planner.widget,
+                       box([self.run_button, self.stop_button]),
+                       self.progress, self.progress_label, self.smooth, self.estimate_html,
                        self.torchrun_button, self.torchrun_text],
-                      layout=W.Layout(width="420px"))
-        right = W.VBox(self.plots.figures, layout=W.Layout(width="640px"))
-        self.widget = W.VBox([self.banner, self.traceback, W.HBox([left, right]), out_box,
-                              self.history_html])
+                      layout=W.Layout(flex="0 1 400px", min_width="320px", overflow="hidden"))
+        right = W.Box([self.plots.widget],
+                      layout=W.Layout(flex="1 1 600px", min_width="0", overflow="hidden"))
+        main = W.Box([left, right], layout=W.Layout(display="flex", flex_flow="row wrap",
+                                                    align_items="flex-start", width="100%",
+                                                    grid_gap="8px"))
+        self.widget = W.VBox([self.banner, self.traceback, main, out_box, self.history_html],
+                             layout=W.Layout(width="100%"))
+        self.widget.add_class("ddpkit-lab")  # the browser test finds the lab by it
+
+    def _on_smooth(self, change):
+        for fig in (self.plots.loss,):
+            with fig.batch_update():
+                for tr in fig.data:
+                    if tr.name and tr.name.endswith("EMA"):
+                        tr.visible = change["new"]
 
     def show(self):
         try:
@@ -192,9 +224,10 @@ class Lab:
             return
         e = estimate(cfg)
         self.estimate_html.value = (
-            f"<b>predicted per rank</b>: params {e.params / MIB:.2f} MiB, grads "
-            f"{e.grads / MIB:.2f}, optimizer {e.optimizer / MIB:.2f}, activations "
-            f"{e.activations / MIB:.2f} MiB (one micro-batch); total {e.total / MIB:.2f} MiB")
+            f"<div style='line-height:1.35'><b>predicted per rank</b>: params "
+            f"{fmt_bytes(e.params)}, grads {fmt_bytes(e.grads)}, optimizer "
+            f"{fmt_bytes(e.optimizer)}, activations {fmt_bytes(e.activations)} (one "
+            f"micro-batch); total {fmt_bytes(e.total)}</div>")
         self.run_button.disabled = self.running
 
     def _show_torchrun(self):
@@ -261,6 +294,7 @@ class Lab:
             if self.plots.flush(force=True):
                 self._update_progress(cfg)
         self.plots.flush(force=True)
+        self.plots.sync()  # the figures' own state gets the points, for a re-rendered view
         self._update_progress(cfg)
         self._finish(cfg, handle)
 
@@ -269,19 +303,21 @@ class Lab:
         self.progress.value = done
         elapsed = time.monotonic() - self._t0
         eta = elapsed / done * (cfg.steps - done) if done else float("nan")
-        self.progress_label.value = f"{done}/{cfg.steps}" + (f", ETA {eta:.1f} s" if done else "")
+        self.progress_label.value = (f"step {done} of {cfg.steps}" +
+                                     (f", about {eta:.0f} s to go" if done else ""))
 
     def _finish(self, cfg, handle):
         error = handle.error
         status = "error" if error else ("stopped" if handle.result and handle.result.stopped else "ok")
+        from .api import summarize
+
         m0 = [m for m in self.metrics if m["rank"] == 0]
-        last = [m for m in self.metrics if m0 and m["step"] == m0[-1]["step"]]
-        peaks = [m["peak_bytes"] for m in m0 if "peak_bytes" in m]
+        s = summarize(self.metrics) if m0 else {}
         row = {"run": len(self.history), "status": status, "steps_done": len(m0),
-               "final_loss": statistics.fmean(m["loss"] for m in last) if last else None,
-               "peak_bytes": max(peaks) if peaks else None,
+               "final_loss": s.get("final_loss"), "peak_bytes": s.get("peak_bytes"),
+               # the last step's, not the median: checkpointing may have changed mid-run
                "activation_bytes": m0[-1].get("activation_bytes") if m0 else None,
-               "step_time_s": statistics.median(m["step_time_s"] for m in (m0[1:] or m0)) if m0 else None,
+               "step_time_s": s.get("step_time_s"),
                "wall_s": round(time.monotonic() - self._t0, 3),
                "changes": [(m["step"], m["changed"]) for m in m0 if m.get("changed")],
                "config": cfg.to_dict(), "error": str(error) if error else None}
@@ -307,11 +343,20 @@ class Lab:
     def _render_history(self):
         cols = ["run", "status", "steps_done", "final_loss", "peak_bytes", "activation_bytes",
                 "step_time_s", "wall_s", "changes"]
-        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
-        rows = "".join("<tr>" + "".join(f"<td>{fmt(r[c])}</td>" for c in cols) + "</tr>"
+        heads = ["run", "status", "steps", "final loss", "peak", "activations", "step ms",
+                 "wall s", "changes"]
+
+        def fmt(c, v):
+            if c in ("peak_bytes", "activation_bytes"):
+                return fmt_bytes(v)
+            if c == "step_time_s" and v is not None:
+                return f"{1000 * v:.2f}"
+            return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+        rows = "".join("<tr>" + "".join(f"<td>{fmt(c, r[c])}</td>" for c in cols) + "</tr>"
                        for r in self.history)
-        self.history_html.value = (f"<table><tr>{''.join(f'<th>{c}</th>' for c in cols)}</tr>"
-                                   f"{rows}</table>")
+        self.history_html.value = (f"<div style='overflow-x:auto'><table><tr>"
+                                   f"{''.join(f'<th>{h}</th>' for h in heads)}</tr>"
+                                   f"{rows}</table></div>")
 
     def _set_running(self, on):
         for name in ("world_size", "precision", "micro_batch", "steps", "use_reentrant", "no_sync"):

@@ -37,6 +37,7 @@ class Context:
         self.last_step = None
         self._next_sync, self._last_sync = 0, None
         self.records = []  # kept here only when there is no kernel to send them to (torchrun)
+        self.on_record = None  # under torchrun: called with each record instead of printing it
 
     @classmethod
     def from_env(cls, seed=0, backend=None, device=None):
@@ -62,7 +63,9 @@ class Context:
             self._channel.send("metric", record)
             return
         self.records.append({"rank": self.rank, **record})
-        if self.is_main:  # under torchrun there is no kernel: print rank 0's records
+        if self.on_record is not None:  # the CLI's progress bar
+            self.on_record(self.records[-1])
+        elif self.is_main:  # under torchrun there is no kernel: print rank 0's records
             print(format_record(record), flush=True)
 
     def barrier(self):

@@ -1,5 +1,5 @@
 """The lab as a person uses it: JupyterLab in headless Chromium, a click on Run, a slider moved
-mid-run, and the plots answering. Needs Debian's chromium (`.ci/run` installs it) and the
+mid-run, and the plots answering; at 1280x800 and at 1920x1080 nothing is cut or clipped. Needs Debian's chromium (`.ci/run` installs it) and the
 playwright Python package (never `playwright install`: it downloads, and fails here)."""
 import os
 import secrets
@@ -65,6 +65,59 @@ def jupyter(tmp_path):
         time.sleep(1.5)  # ranks notice their kernel is gone within a second
 
 
+# every box that must fit: the plots inside the window and their own container, and each
+# control's text inside its element (a clipped label has scrollWidth > clientWidth)
+FIT = """() => {
+  const lab = document.querySelector('.ddpkit-lab');
+  const bad = [], vw = document.documentElement.clientWidth, labBox = lab.getBoundingClientRect();
+  for (const gd of lab.querySelectorAll('.js-plotly-plot')) {
+    const r = gd.getBoundingClientRect(), svg = gd.querySelector('.main-svg');
+    const w = svg ? svg.getBoundingClientRect().width : 0;
+    if (r.width < 300) bad.push(['plot too narrow', r.width]);
+    if (r.right > vw + 0.5) bad.push(['plot past the window', r.right, vw]);
+    if (r.right > labBox.right + 0.5) bad.push(['plot past the lab', r.right, labBox.right]);
+    if (w > r.width + 0.5) bad.push(['plot wider than its box', w, r.width]);
+  }
+  const texts = lab.querySelectorAll('.widget-label, .widget-label-basic, button, ' +
+                                     '.widget-checkbox label, .widget-dropdown select');
+  for (const el of texts) {
+    if (!el.offsetParent || !el.textContent.trim()) continue;
+    const r = el.getBoundingClientRect();
+    if (el.scrollWidth > el.clientWidth + 1) bad.push(['clipped', el.textContent.trim()]);
+    if (r.right > vw + 0.5) bad.push(['past the window', el.textContent.trim()]);
+  }
+  return {bad: bad, plots: lab.querySelectorAll('.js-plotly-plot').length,
+          checked: texts.length};
+}"""
+# the labels of mid-run changes on the loss plot: none may overlap another
+MARKS = """() => Array.from(document.querySelectorAll('.ddpkit-lab .js-plotly-plot')[0]
+    .querySelectorAll('.annotation')).map(a => { const r = a.getBoundingClientRect();
+    return [r.left, r.top, r.right, r.bottom]; })"""
+SIZES = [(1280, 800), (1920, 1080)]
+
+
+def check_fits(page, tmp, size):
+    w, h = size
+    page.set_viewport_size({"width": w, "height": h})
+    page.wait_for_timeout(1500)  # plotly redraws to its new width on the window's resize
+    page.locator(".ddpkit-lab .js-plotly-plot").first.scroll_into_view_if_needed()
+    page.wait_for_timeout(300)
+    fit = page.evaluate(FIT)
+    assert fit["plots"] == 3 and fit["checked"] > 10, fit
+    assert fit["bad"] == [], (size, fit["bad"])
+    boxes = page.evaluate(MARKS)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            overlap = min(a[2], b[2]) - max(a[0], b[0]) > 1 and min(a[3], b[3]) - max(a[1], b[1]) > 1
+            assert not overlap, (size, boxes)
+    path = tmp / f"lab-{w}x{h}.png"
+    page.screenshot(path=str(path))
+    assert path.stat().st_size > 10_000
+    if os.environ.get("DDPKIT_SCREENSHOT_DIR"):
+        shutil.copy(path, Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / path.name)
+    return len(boxes)
+
+
 def traces_named(page, fig, name):
     """Every run's trace `name` in figure `fig`, oldest first (old runs are faded overlays)."""
     return [t for t in page.evaluate(TRACES)[fig] if t["name"] == name]
@@ -79,6 +132,8 @@ def test_lab_in_a_real_browser(jupyter):
                                                    viewport={"width": 1400, "height": 1000})
         try:
             page = ctx.new_page()
+            console = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
             page.goto(f"{base}/lab/tree/08_lab.ipynb?token={token}")
             page.wait_for_selector(".jp-Notebook", timeout=60_000)
             page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
@@ -89,35 +144,42 @@ def test_lab_in_a_real_browser(jupyter):
             page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
             page.wait_for_selector(".jp-OutputArea-output:has-text('scripted demo done')", timeout=180_000)
 
-            runs_so_far = len(traces_named(page, 0, "rank 0"))
+            last_run = len(traces_named(page, 0, "rank 0")[-1]["y"])  # the scripted run's
             run = page.locator("button.jupyter-button", has_text="Run").first
             run.scroll_into_view_if_needed()
             run.click()
-            # a new run's traces appear, the old ones fade, and the new loss trace fills
+            # a new run's loss trace fills while the run before stays as a faded overlay
             page.wait_for_function(
                 f"() => {{ const t = ({TRACES})()[0].filter(t => t.name === 'rank 0');"
-                f" return t.length > {runs_so_far} && t[t.length - 1].y.length >= 10"
-                f" && t[0].opacity < 1; }}", timeout=60_000)
+                f" return t.length == 2 && t[1].y.length >= 10 && t[1].y.length < {last_run}"
+                f" && t[0].opacity < t[1].opacity; }}", timeout=60_000)
             loss_before = len(traces_named(page, 0, "rank 0")[-1]["y"])
-            acts_before = traces_named(page, 1, "activations r0")[-1]["y"]
+            acts_before = traces_named(page, 1, "activations r0 (measured)")[-1]["y"]
 
             slider = page.locator(".widget-slider", has_text="ckpt segments").locator(".noUi-handle").first
             slider.focus()
             page.keyboard.press("ArrowRight")
             page.keyboard.press("ArrowRight")  # 0 -> 2 segments, mid-run
             page.wait_for_timeout(1500)
+            page.keyboard.press("ArrowLeft")  # 2 -> 1, and again a while later: three marks
+            page.wait_for_timeout(1200)
+            page.keyboard.press("ArrowRight")
+            page.wait_for_timeout(1500)
             news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "news?" toast
             if news.count() and news.first.is_visible():
                 news.first.click(timeout=5_000)
-            page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
-            page.screenshot(path=str(tmp / "lab-mid-run.png"), full_page=True)
-            if os.environ.get("DDPKIT_SCREENSHOT"):
-                shutil.copy(tmp / "lab-mid-run.png", os.environ["DDPKIT_SCREENSHOT"])
             loss_after = len(traces_named(page, 0, "rank 0")[-1]["y"])
-            acts_after = traces_named(page, 1, "activations r0")[-1]["y"]
+            acts_after = traces_named(page, 1, "activations r0 (measured)")[-1]["y"]
             assert loss_after > loss_before, "the loss plot stopped gaining points"
             assert len(set(acts_before)) == 1, acts_before  # constant before the change
             assert min(acts_after) < acts_before[0], (acts_before[:3], acts_after[-3:])
-            assert (tmp / "lab-mid-run.png").stat().st_size > 10_000
+            marks = [check_fits(page, tmp, size) for size in SIZES]
+            assert min(marks) >= 2, marks  # the change labels were drawn (and did not overlap)
+        except Exception:
+            if os.environ.get("DDPKIT_SCREENSHOT_DIR"):  # what the page showed when it failed
+                page.screenshot(path=str(Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / "failed.png"))
+                (Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / "failed.html").write_text(page.content())
+                (Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / "console.txt").write_text("\n".join(console))
+            raise
         finally:
             ctx.close()
