@@ -53,6 +53,15 @@ class Lab:
 
     # ------------------------------------------------------------------ widgets
     def _build(self):
+        """The widgets in four named steps: the config's controls, the run's widgets, what
+        each one does when used, and where each sits."""
+        self._build_controls()
+        self._build_run_widgets()
+        self._wire()
+        self._lay_out()
+
+    def _build_controls(self):
+        """One control per config field the Lab edits, and one toggle per detected block."""
         c, n = self.cfg, self.cfg.n_blocks
         style = {"description_width": "110px"}
         full = lambda: W.Layout(width="auto", max_width="380px")
@@ -79,6 +88,12 @@ class Lab:
         self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint {name}",
                                              layout=W.Layout(width="44px"))
                               for i, name in enumerate(block_names(c.blocks_path, range(n)))]
+        from .plan_panel import PlanPanel
+
+        self.planner = PlanPanel(self)  # a budget or a GPU in: the block toggles set to the plan
+
+    def _build_run_widgets(self):
+        """Buttons, progress, the estimate read-out, error banner, rank output, history."""
         self.smooth = W.Checkbox(bool(self.plots.ema), description="smoothed loss (EMA)",
                                  indent=False, disabled=not self.plots.ema)
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
@@ -88,7 +103,8 @@ class Lab:
                                         layout=W.Layout(width="auto"))
         self.torchrun_text = W.Textarea(layout=W.Layout(width="100%", height="48px",
                                                         display="none"))
-        self.progress = W.IntProgress(0, 0, c.steps, description="progress", style=style,
+        self.progress = W.IntProgress(0, 0, self.cfg.steps, description="progress",
+                                      style={"description_width": "110px"},
                                       layout=W.Layout(width="auto", max_width="380px"))
         self.progress_label = W.Label("", layout=W.Layout(width="100%"))
         self.estimate_html = W.HTML()
@@ -96,27 +112,25 @@ class Lab:
         self.traceback = W.Accordion(children=[W.HTML()], layout=W.Layout(display="none"))
         self.traceback.set_title(0, "traceback")
         self.output = W.Output(layout=W.Layout(max_height="160px", overflow="auto"))
-        out_box = W.Accordion(children=[self.output])
-        out_box.set_title(0, "rank output")
+        self._out_box = W.Accordion(children=[self.output])
+        self._out_box.set_title(0, "rank output")
         self.history_html = W.HTML()
 
-        for name, w in self.controls.items():
+    def _wire(self):
+        for w in self.controls.values():
             w.observe(self._on_control, names="value")
         for t in self.block_toggles:
             t.observe(self._on_toggle, names="value")
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
         self.torchrun_button.on_click(lambda _: self._show_torchrun())
-
         self.smooth.observe(self._on_smooth, names="value")
 
-        box = lambda items, **kw: W.Box(items, layout=W.Layout(
-            display="flex", flex_flow="row wrap", align_items="center", **kw))
+    def _lay_out(self):
         # controls beside the plots when the cell is wide, above them when it is narrow
         # (a wrapping flex row); the plots fill the rest of the width in a grid (plots.py)
-        from .plan_panel import PlanPanel
-
-        self.planner = PlanPanel(self)  # a budget or a GPU in: the block toggles set to the plan
+        box = lambda items: W.Box(items, layout=W.Layout(
+            display="flex", flex_flow="row wrap", align_items="center"))
         left = W.VBox([*self.controls.values(), box(self.block_toggles), self.planner.widget,
                        box([self.run_button, self.stop_button]),
                        self.progress, self.progress_label, self.smooth, self.estimate_html,
@@ -127,8 +141,8 @@ class Lab:
         main = W.Box([left, right], layout=W.Layout(display="flex", flex_flow="row wrap",
                                                     align_items="flex-start", width="100%",
                                                     grid_gap="8px"))
-        self.widget = W.VBox([self.banner, self.traceback, main, out_box, self.history_html],
-                             layout=W.Layout(width="100%"))
+        self.widget = W.VBox([self.banner, self.traceback, main, self._out_box,
+                              self.history_html], layout=W.Layout(width="100%"))
         self.widget.add_class("ddpkit-lab")  # the browser test finds the lab by it
 
     def _on_smooth(self, change):

@@ -100,7 +100,9 @@ def check_fits(page, tmp, size):
     w, h = size
     page.set_viewport_size({"width": w, "height": h})
     page.wait_for_timeout(1500)  # plotly redraws to its new width on the window's resize
-    page.locator(".ddpkit-lab .js-plotly-plot").first.scroll_into_view_if_needed()
+    # scrolled by the page itself: playwright's scroll waits for the element to stop moving,
+    # and a plot that gains points every 0.1 s never does
+    page.evaluate("() => document.querySelector('.ddpkit-lab .js-plotly-plot').scrollIntoView()")
     page.wait_for_timeout(300)
     fit = page.evaluate(FIT)
     assert fit["plots"] == 3 and fit["checked"] > 10, fit
