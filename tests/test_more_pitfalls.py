@@ -2,26 +2,10 @@
 with torch's message verbatim or the measured evidence, and what doctor saw before launch."""
 import pytest
 
-import ddpkit
 from ddpkit import pitfalls
+from test_pitfalls import both, pool  # noqa: F401  (pool: the module's warm ranks)
 
 READY_TWICE = "Expected to mark a variable ready only once."
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = ddpkit.Pool(2, backend="gloo", device="cpu")
-    yield p
-    p.close()
-
-
-def both(name, pool):
-    broken = pitfalls.run(name, fixed=False, pool=pool)
-    fixed = pitfalls.run(name, fixed=True, pool=pool)
-    assert broken.name == fixed.name == name and not broken.fixed and fixed.fixed
-    assert fixed.clean, fixed
-    assert fixed.findings == [], fixed.findings
-    return broken, fixed
 
 
 def kinds(findings):
