@@ -123,6 +123,7 @@ class SyntheticData:
 
     def __init__(self, cfg, n_samples=None, vocab=None):
         self.cfg = cfg
+        self._rank_batches = {}
         self.tokens = cfg.model != "mlp"  # token sequences (gpt, or a transformers causal LM)
         self.vocab = vocab or cfg.vocab
         n = n_samples or cfg.steps * cfg.global_batch
@@ -162,9 +163,13 @@ class SyntheticData:
 
         from .data import RankBatches
 
-        batches = RankBatches(TensorDataset(self.inputs, self.targets), rank, world_size,
-                              shuffle=False)
-        return batches.micro_batches(start, micro_batch, accum_steps)
+        # one sampler per (rank, world size), kept: callers ask once per step, and building it
+        # lists the whole epoch's order
+        key = (rank, world_size)
+        if key not in self._rank_batches:
+            self._rank_batches[key] = RankBatches(TensorDataset(self.inputs, self.targets), rank,
+                                                  world_size, shuffle=False)
+        return self._rank_batches[key].micro_batches(start, micro_batch, accum_steps)
 
 
 def build_model(cfg):
