@@ -71,7 +71,8 @@ class ActivationProbe:
                 return
         self._seen.add(key)
         self.bytes += nbytes
-        self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + nbytes
+        if self.owner is not None:  # only the estimate's per-block trace names owners
+            self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + nbytes
 
     @contextlib.contextmanager
     def forward(self, model):
