@@ -224,17 +224,33 @@ def test_a_plot_update_sends_only_the_new_points(history):
 
 
 def test_long_runs_are_thinned_with_a_few_full_sends():
+    import ipywidgets as W
+
     plots = ddpkit.LivePlots(world_size=1, max_points=100)
-    full_sends = 0
-    for s in range(2000):
-        plots.add(_records(s, 1)[0])
-        if s % 5 == 4:
-            before = list(plots.loss.data[0].x or [])
-            plots.flush(force=True)
-            full_sends += list(plots.loss.data[0].x or []) != before
+    sent, send = [], W.Widget._send
+    W.Widget._send = lambda self, msg, buffers=None: (
+        sent.append(msg["content"]) if self is plots.feeder else None)
+    try:
+        for s in range(2000):
+            plots.add(_records(s, 1)[0])
+            if s % 5 == 4:
+                plots.flush(force=True)
+    finally:
+        W.Widget._send = send
     loss = plots._traces[("loss", 0)]
     assert loss.shown <= 100 and loss.stride == 32  # 2000 / 32 = 63 points shown
-    assert full_sends == 5  # strides 2, 4, 8, 16, 32: one full send each, the rest new points
+    # the loss trace (index 0 of the loss figure) goes in full once per stride 2, 4, 8, 16, 32;
+    # the rest of the messages carry new points only
+    full = [ys[idx.index(0)] for msg in sent for cls, idx, _, ys in msg["replace"]
+            if cls.endswith("-0") and 0 in idx]
+    assert len(full) == 5 and all(len(ys) <= 100 for ys in full)
+    assert full[-1] == plots.points("loss")[:32 * len(full[-1]):32]
+    # what the page holds at the end: the last full copy and the points extended after it
+    last = max(i for i, msg in enumerate(sent) for cls, idx, _, _ in msg["replace"]
+               if cls.endswith("-0") and 0 in idx)
+    after = [y for msg in sent[last + 1:] for cls, idx, _, ys in msg["extend"]
+             if cls.endswith("-0") and 0 in idx for y in ys[idx.index(0)]]
+    assert full[-1] + after == plots.points("loss")[::32]
     assert len(plots.points("loss")) == 2000  # the kernel keeps every point
 
 
@@ -256,3 +272,17 @@ def test_the_planner_box_sets_the_block_toggles_to_the_plan():
         lab.planner.budget.value = ""
         lab.planner.gpu.value = "T4"  # a T4 holds this tiny model without any checkpointing
         assert lab.planner.last.checkpoint is None and not any(t.value for t in lab.block_toggles)
+
+
+def test_the_all_reduce_axis_counts_whole_calls_from_zero():
+    plots = ddpkit.LivePlots(world_size=2)
+    for s in range(5):
+        for rec in _records(s):  # one all-reduce per step, the whole run
+            plots.add(rec)
+    plots.flush(force=True)
+    y2 = plots.timing.layout.yaxis2
+    assert y2.range[0] == 0 and 1 < y2.range[1] <= 2 and y2.dtick == 1 and y2.tickformat == "d"
+    for rec in _records(5):  # accumulation off with no_sync off: 8 calls in one step
+        plots.add({**rec, "allreduce_calls": 8})
+    plots.flush(force=True)
+    assert plots.timing.layout.yaxis2.range[1] > 8 and plots.timing.layout.yaxis2.dtick == 2

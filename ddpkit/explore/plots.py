@@ -48,21 +48,67 @@ class _Feeder(anywidget.AnyWidget):
     The figures' own FigureWidget views draw them; this only finds their plot divs by class."""
 
     _esm = """
-    function extend(item, tries) {
-      const [cls, idx, xs, ys] = item;
-      // the figure's view element is its plot div (class added with add_class)
-      const gds = document.querySelectorAll(`.${cls}.js-plotly-plot, .${cls} .js-plotly-plot`);
-      const Plotly = window.Plotly;  // set by plotly's widget bundle
-      const ready = Plotly && gds.length &&
-        Array.from(gds).every(gd => gd.data && gd.data.length > Math.max(...idx));
-      if (!ready) {  // the figure (or a trace just added) is not drawn yet: try again soon
-        if (tries < 100) setTimeout(() => extend(item, tries + 1), 50);
-        return;
-      }
-      for (const gd of gds) Plotly.extendTraces(gd, {x: xs, y: ys}, idx);
-    }
+    // Points wait here, merged per figure and trace, and each figure is drawn at an animation
+    // frame with one extendTraces (and one restyle for traces re-sent in full); after a draw that
+    // took c ms the next waits 3c ms. Drawing so takes at most a quarter of the page's main
+    // thread on any machine: on two busy cores a redraw per message (ten a second, three
+    // figures) left no time for a click on Stop.
+    const TOLERANCE = 3, GIVE_UP_MS = 10000;
     function initialize({ model }) {
-      model.on("msg:custom", msg => { for (const item of msg.extend || []) extend(item, 0); });
+      const pending = new Map();  // css class -> Map(trace index -> {full, xs, ys})
+      let scheduled = false, readyAt = 0;
+      const waitingSince = new Map();
+      function put(cls, full, idx, xs, ys) {
+        if (!pending.has(cls)) pending.set(cls, new Map());
+        const traces = pending.get(cls);
+        idx.forEach((i, k) => {
+          const have = traces.get(i);
+          if (have && !full) { for (const v of xs[k]) have.xs.push(v); for (const v of ys[k]) have.ys.push(v); }
+          else traces.set(i, {full: full || false, xs: xs[k].slice(), ys: ys[k].slice()});
+        });
+        schedule();
+      }
+      function schedule(ms) {
+        if (scheduled) return;
+        scheduled = true;
+        const wait = ms !== undefined ? ms : Math.max(0, readyAt - performance.now());
+        setTimeout(() => requestAnimationFrame(draw), wait);
+      }
+      function draw() {
+        scheduled = false;
+        const Plotly = window.Plotly;  // set by plotly's widget bundle
+        const t0 = performance.now();
+        let later = false;
+        for (const [cls, traces] of Array.from(pending)) {
+          const gds = Array.from(document.querySelectorAll(
+            `.${cls}.js-plotly-plot, .${cls} .js-plotly-plot`));
+          const top = Math.max(...traces.keys());
+          if (!(Plotly && gds.length && gds.every(gd => gd.data && gd.data.length > top))) {
+            // the figure (or a trace just added) is not drawn yet: wait for it, a while
+            if (!waitingSince.has(cls)) waitingSince.set(cls, t0);
+            if (t0 - waitingSince.get(cls) < GIVE_UP_MS) { later = true; continue; }
+          }
+          waitingSince.delete(cls);
+          pending.delete(cls);
+          if (!gds.length) continue;  // never drawn (the output was cleared): dropped
+          for (const full of [true, false]) {
+            const idx = Array.from(traces.keys()).filter(i => traces.get(i).full === full);
+            if (!idx.length) continue;
+            const xs = idx.map(i => traces.get(i).xs), ys = idx.map(i => traces.get(i).ys);
+            for (const gd of gds) {
+              if (full) Plotly.restyle(gd, {x: xs, y: ys}, idx);
+              else Plotly.extendTraces(gd, {x: xs, y: ys}, idx);
+            }
+          }
+        }
+        const t1 = performance.now();
+        readyAt = t1 + TOLERANCE * (t1 - t0);
+        if (later) schedule(50);
+      }
+      model.on("msg:custom", msg => {
+        for (const [cls, idx, xs, ys] of msg.extend || []) put(cls, false, idx, xs, ys);
+        for (const [cls, idx, xs, ys] of msg.replace || []) put(cls, true, idx, xs, ys);
+      });
     }
     function render({ model, el }) {}
     export default { initialize, render };
@@ -165,6 +211,7 @@ class LivePlots:
                 fig.layout.shapes = ()
                 fig.layout.annotations = ()
         self._traces, self._ema, self._marks = {}, {}, 0
+        self._calls_top = None
         self._mem_unit = None  # chosen from the first memory values of the run
         for r in range(world_size):
             c = COLORS[r % len(COLORS)]
@@ -175,7 +222,7 @@ class LivePlots:
             self._add(self.memory, ("activation_bytes", r), f"activations r{r} (measured)", c,
                       width=2)
             self._add(self.memory, ("peak_bytes", r), f"peak r{r} (measured)", c,
-                      mode="markers", marker=dict(symbol="diamond", size=8, color=c,
+                      mode="markers", marker=dict(symbol="diamond", size=6, color=c,
                                                   line=dict(width=1, color="white")))
             self._add(self.timing, ("step_time_s", r), f"step ms r{r}", c, width=1.5)
         self._add(self.timing, ("allreduce_calls", 0), "all-reduces", "#7f7f7f", dash="dot",
@@ -257,11 +304,26 @@ class LivePlots:
                 t.ys.append(self._predict(rec) / (mem or MIB))
             if rec.get("changed") and r == 0:
                 marks.append((step, _change_text(rec)))
+        self._calls_axis()
         self._send()
         for step, text in marks:
             self.mark(step, text)
         self.flushes += 1
         return True
+
+    def _calls_axis(self):
+        """All-reduce calls are whole numbers, most often one value for a whole run: the right
+        axis runs from 0 to a little above the largest count, ticked at whole numbers (plotly's
+        own autorange puts a constant line at the top edge, ticked 0.026, 0.388, 0.75)."""
+        t = self._traces.get(("allreduce_calls", 0))
+        if t is None or not t.ys or (self._calls_top is not None and max(t.ys) <= self._calls_top):
+            return
+        top = self._calls_top = max(t.ys)
+        dtick = max(1, -(-int(top) // 4))
+        with self.timing.batch_update():
+            self.timing.layout.yaxis2.range = [0, top + max(0.5, 0.15 * top)]
+            self.timing.layout.yaxis2.dtick = dtick
+            self.timing.layout.yaxis2.tickformat = "d"
 
     def _send(self):
         """One message with every trace's new points; full re-sends only when thinning."""
@@ -277,14 +339,22 @@ class LivePlots:
                 idx.append(next(k for k, tr in enumerate(t.fig.data) if tr is t.trace))
                 xs.append(new[0])
                 ys.append(new[1])
-        if by_fig:
-            msg = [[f"{self._uid}-{i}", idx, xs, ys] for i, (idx, xs, ys) in by_fig.items()]
-            self.feeder.send({"extend": msg})
-            self.feeder.points_sent += sum(len(x) for _, _, xs, _ in msg for x in xs)
-        for t in resend:  # rare: the stride just doubled
-            xs, ys = t.thinned()
-            t.trace.x, t.trace.y = xs, ys
-            t.shown = len(xs)
+        replace = {}
+        for t in resend:  # rare: the stride just doubled; the thinned trace goes in full
+            i = next(k for k, fig in enumerate(self.figures) if fig is t.fig)
+            idx, xs, ys = replace.setdefault(i, ([], [], []))
+            idx.append(next(k for k, tr in enumerate(t.fig.data) if tr is t.trace))
+            x, y = t.thinned()
+            xs.append(x)
+            ys.append(y)
+            t.shown = len(x)
+        if by_fig or replace:
+            # one message, drawn in order by the page: extends first, then the full copies
+            msg = {"extend": [[f"{self._uid}-{i}", *v] for i, v in by_fig.items()],
+                   "replace": [[f"{self._uid}-{i}", *v] for i, v in replace.items()]}
+            self.feeder.send(msg)
+            self.feeder.points_sent += sum(len(x) for item in msg.values()
+                                           for _, _, xs, _ in item for x in xs)
 
     def sync(self):
         """Write the points the browser shows into the FigureWidgets' own state (one full send

@@ -113,7 +113,7 @@ def check_fits(page, tmp, size):
             overlap = min(a[2], b[2]) - max(a[0], b[0]) > 1 and min(a[3], b[3]) - max(a[1], b[1]) > 1
             assert not overlap, (size, boxes)
     path = tmp / f"lab-{w}x{h}.png"
-    page.screenshot(path=str(path))
+    page.screenshot(path=str(path), timeout=90_000)
     assert path.stat().st_size > 10_000
     if os.environ.get("DDPKIT_SCREENSHOT_DIR"):
         shutil.copy(path, Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / path.name)
@@ -175,6 +175,21 @@ def test_lab_in_a_real_browser(jupyter):
             assert loss_after > loss_before, "the loss plot stopped gaining points"
             assert len(set(acts_before)) == 1, acts_before  # constant before the change
             assert min(acts_after) < acts_before[0], (acts_before[:3], acts_after[-3:])
+            # Stop ends the run and the plots keep what it drew (the marks included); the layout
+            # is then checked on a still page: a screenshot waits for a settled frame, and on two
+            # busy cores a plot redrawn every 0.1 s may not give one within its timeout
+            stop = page.locator("button.jupyter-button", has_text="Stop").first
+            stop.click()
+            page.wait_for_function("() => Array.from(document.querySelectorAll('.ddpkit-lab button'))"
+                                   ".some(b => b.textContent.includes('Stop') && b.disabled)",
+                                   timeout=60_000)
+            # the page draws what had arrived at its own pace (at most a quarter of its time),
+            # so the last points may land a moment after the run ended; then nothing moves
+            shown = []
+            while len(shown) < 2 or shown[-1] != shown[-2]:
+                assert len(shown) < 20, ("the plots kept moving after Stop", shown)
+                page.wait_for_timeout(700)
+                shown.append(len(traces_named(page, 0, "rank 0")[-1]["y"]))
             marks = [check_fits(page, tmp, size) for size in SIZES]
             assert min(marks) >= 2, marks  # the change labels were drawn (and did not overlap)
         except Exception:
