@@ -100,10 +100,12 @@ class TrainConfig:
     save_every: int = 0
     """Save a checkpoint every N optimizer steps into save_dir (0: never)."""
     save_dir: str | None = None
-    peak_every: int = 10
-    """Peak memory is probed at step 1, every peak_every steps after it, and at the step after a
-    mid-run change (every step on CUDA, where it is free). On CPU the probe opens a profiler
-    window, which roughly doubles that one step's time; 1 probes every step."""
+    peak_every: int = 25
+    """Peak memory is probed at step 1, every peak_every steps after it, and at the step a
+    mid-run change lands (every step on CUDA, where it is free). On CPU the probe opens a
+    profiler window, which roughly doubles that one step's time; 1 probes every step. Activation
+    bytes are measured at the first step, every peak_every steps and at a change, and each
+    record carries the last measurement (they depend only on the setting and the batch shapes)."""
     stall_timeout_s: float = 120.0
     extra: dict = field(default_factory=dict, repr=False)
     """Free-form tags carried into results (not used by the engine)."""

@@ -55,15 +55,21 @@ class ActivationProbe:
         self._seen = set()
         self._params = set()
         self._model = None
+        self._known = None    # (model, number of parameters, their storages)
 
     def new_step(self):
         self.max_bytes = 0
 
     def _count(self, t):
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        # called for every tensor autograd saves: kept to a few attribute reads
+        if not isinstance(t, torch.Tensor) or t.is_meta:
             return
-        key, nbytes = _storage(t)
-        if key in self._params or key in self._seen or nbytes == 0:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._params or key in self._seen:
+            return
+        nbytes = st.nbytes()
+        if nbytes == 0:
             return
         if self._model is not None:
             self._params |= {_storage(_local(p))[0] for p in self._model.parameters()}
@@ -74,15 +80,24 @@ class ActivationProbe:
         if self.owner is not None:  # only the estimate's per-block trace names owners
             self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + nbytes
 
+    def _parameters_of(self, model):
+        """The storages of ``model``'s parameters, looked up once per model: training updates
+        them in place. Under FSDP2 (DTensor parameters) every forward looks again, and so does
+        `_count` whenever an unknown storage is saved (the all-gathered full parameters)."""
+        params = list(model.parameters())
+        sharded = any(hasattr(p, "to_local") for p in params)
+        if sharded or self._known is None or self._known[0] is not model \
+                or self._known[1] != len(params):
+            self._known = (model, len(params), {_storage(_local(p))[0] for p in params})
+        return set(self._known[2]), sharded
+
     @contextlib.contextmanager
     def forward(self, model):
         self.bytes = 0
         self.by_owner = {}
         self._seen.clear()
-        self._params = {_storage(_local(p))[0] for p in model.parameters()}
-        # FSDP2 swaps each block's sharded parameters for all-gathered ones during its forward:
-        # those are parameters too, so look again whenever an unknown storage is saved
-        self._model = model if any(hasattr(p, "to_local") for p in model.parameters()) else None
+        self._params, sharded = self._parameters_of(model)
+        self._model = model if sharded else None
         policy = getattr(model, "checkpoint_policy", None)
         if policy is not None:
             policy.on_segment_input = self._count
@@ -102,8 +117,11 @@ class ActivationProbe:
 
 def state_bytes(model, optimizer):
     """Bytes of parameters, gradients and optimizer state, as torch holds them now."""
-    params = sum(_nbytes(p) for p in model.parameters())
-    grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    params = grads = 0
+    for p in model.parameters():
+        params += _nbytes(p)
+        if p.grad is not None:
+            grads += _nbytes(p.grad)
     return params, grads, optimizer_state_bytes(optimizer)
 
 
