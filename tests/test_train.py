@@ -127,6 +127,17 @@ def test_peak_bytes_cover_model_states_and_activations(pool):
         assert m["peak_bytes"] < 20 * (est.total + 2**20)
 
 
+def test_sampled_probes_carry_what_every_step_would_measure(pool):
+    # activation and model-state bytes are measured at the first step and every peak_every
+    # steps (the probe has a cost); each record between carries the same numbers
+    cfg = ddpkit.TrainConfig(**{**TINY, "steps": 7, "optimizer": "adamw", "checkpoint": 2})
+    keys = ("activation_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
+    every = ddpkit.train(cfg.replace(peak_every=1), pool=pool).metrics
+    sampled = ddpkit.train(cfg.replace(peak_every=3), pool=pool).metrics
+    assert [[m[k] for k in keys] for m in sampled] == [[m[k] for k in keys] for m in every]
+    assert all(m["optimizer_bytes"] > 0 and m["activation_bytes"] > 0 for m in sampled)
+
+
 def test_bf16_autocast_runs_on_cpu(pool):
     res = ddpkit.train(ddpkit.TrainConfig(**{**TINY, "precision": "bf16"}), pool=pool)
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in res.metrics)
