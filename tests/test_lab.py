@@ -118,7 +118,7 @@ def test_figures_update_at_a_bounded_rate(lab):
     lab.set(steps=300)
     lab.run()
     row = lab.wait(timeout=120)
-    assert lab.plots.flushes <= 10 * row["wall_s"] + 2
+    assert lab.plots.flushes <= lab.plots.max_hz * row["wall_s"] + 2
     assert len(lab.plots.points("loss")) == 300  # every record reached the figure
 
 

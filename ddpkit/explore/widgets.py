@@ -33,13 +33,13 @@ class Lab:
     """``lab = ddpkit.Lab(cfg)`` shows the dashboard; ``lab.run()``, ``lab.wait()``,
     ``lab.stop()`` do what the buttons do; ``lab.history`` has one row per finished run."""
 
-    def __init__(self, cfg=None, display=True, max_hz=10.0, ema=0.95):
+    def __init__(self, cfg=None, display=True, max_hz=5.0, ema=0.95):
         if cfg is not None and not isinstance(cfg, TrainConfig):
             raise TypeError(f"Lab() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
                             f"build one with ddpkit.TrainConfig(...)")
         if not max_hz > 0:
             raise ValueError(f"Lab(max_hz={max_hz!r}): figure updates per second must be > 0; "
-                             f"pass e.g. max_hz=10")
+                             f"pass e.g. max_hz=5")
         self.cfg = cfg or TrainConfig()
         self.history, self.metrics, self.findings = [], [], []
         self._pool = self._handle = self._refresher = None
@@ -302,11 +302,13 @@ class Lab:
     def _follow(self, cfg, handle):
         # one wake-up per allowed figure update: each widget change is a message to the
         # browser, and the kernel shares the cores with the ranks
-        period = 1.0 / self.plots.max_hz
+        period, shown = 1.0 / self.plots.max_hz, 0.0
         while not handle.done:
             handle.join(period)
-            if self.plots.flush(force=True):
+            # the progress bar and its label: twice a second is enough to read them
+            if self.plots.flush(force=True) and time.monotonic() - shown >= 0.5:
                 self._update_progress(cfg)
+                shown = time.monotonic()
         self.plots.flush(force=True)
         self.plots.sync()  # the figures' own state gets the points, for a re-rendered view
         self._update_progress(cfg)
