@@ -55,21 +55,18 @@ class ActivationProbe:
         self._seen = set()
         self._params = set()
         self._model = None
-        self._known = None    # (model, number of parameters, their storages)
+        self._known = None    # (model, its parameters' storages) when not sharded
 
     def new_step(self):
         self.max_bytes = 0
 
     def _count(self, t):
-        # called for every tensor autograd saves: kept to a few attribute reads
-        if not isinstance(t, torch.Tensor) or t.is_meta:
+        # called for every tensor autograd saves: kept to a few attribute reads. Not
+        # `t.is_meta`: a FakeTensor (the estimate's trace) is meta inside and says True
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self._params or key in self._seen:
-            return
-        nbytes = st.nbytes()
-        if nbytes == 0:
+        key, nbytes = _storage(t)
+        if key in self._params or key in self._seen or nbytes == 0:
             return
         if self._model is not None:
             self._params |= {_storage(_local(p))[0] for p in self._model.parameters()}
@@ -80,24 +77,21 @@ class ActivationProbe:
         if self.owner is not None:  # only the estimate's per-block trace names owners
             self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + nbytes
 
-    def _parameters_of(self, model):
-        """The storages of ``model``'s parameters, looked up once per model: training updates
-        them in place. Under FSDP2 (DTensor parameters) every forward looks again, and so does
-        `_count` whenever an unknown storage is saved (the all-gathered full parameters)."""
-        params = list(model.parameters())
-        sharded = any(hasattr(p, "to_local") for p in params)
-        if sharded or self._known is None or self._known[0] is not model \
-                or self._known[1] != len(params):
-            self._known = (model, len(params), {_storage(_local(p))[0] for p in params})
-        return set(self._known[2]), sharded
-
     @contextlib.contextmanager
     def forward(self, model):
         self.bytes = 0
         self.by_owner = {}
         self._seen.clear()
-        self._params, sharded = self._parameters_of(model)
-        self._model = model if sharded else None
+        if self._known is not None and self._known[0] is model:
+            self._params, self._model = set(self._known[1]), None
+        else:
+            self._params = {_storage(_local(p))[0] for p in model.parameters()}
+            # FSDP2 swaps each block's sharded parameters for all-gathered ones during its
+            # forward: those are parameters too, so look again whenever an unknown storage is
+            # saved. Unsharded parameters are updated in place: looked up once per model
+            sharded = any(hasattr(p, "to_local") for p in model.parameters())
+            self._model = model if sharded else None
+            self._known = None if sharded else (model, frozenset(self._params))
         policy = getattr(model, "checkpoint_policy", None)
         if policy is not None:
             policy.on_segment_input = self._count

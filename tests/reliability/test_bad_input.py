@@ -73,7 +73,7 @@ CASES = [
     ("estimate", lambda: ddpkit.estimate({"model": "mlp"}), TypeError, r"estimate\(\) takes a ddpkit.TrainConfig"),
     ("doctor", lambda: ddpkit.doctor(42), TypeError, r"doctor\(\) takes an nn.Module or a ddpkit.TrainConfig"),
     ("Lab", lambda: ddpkit.Lab("mlp", display=False), TypeError, r"Lab\(\) takes a ddpkit.TrainConfig"),
-    ("Lab", lambda: ddpkit.Lab(CFG, display=False, max_hz=0), ValueError, r"max_hz=0.*pass e.g. max_hz=10"),
+    ("Lab", lambda: ddpkit.Lab(CFG, display=False, max_hz=0), ValueError, r"max_hz=0.*pass e.g. max_hz=5"),
     ("pitfalls.run", lambda: ddpkit.pitfalls.run("fork_bomb"), ValueError, r"no pitfall named 'fork_bomb'; pitfalls: "),
 ]
 
