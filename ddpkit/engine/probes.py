@@ -61,8 +61,7 @@ class ActivationProbe:
         self.max_bytes = 0
 
     def _count(self, t):
-        # called for every tensor autograd saves: kept to a few attribute reads. Not
-        # `t.is_meta`: a FakeTensor (the estimate's trace) is meta inside and says True
+        # called for every tensor autograd saves: kept to a few attribute reads
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         key, nbytes = _storage(t)
