@@ -61,7 +61,6 @@ class ActivationProbe:
         self.max_bytes = 0
 
     def _count(self, t):
-        # called for every tensor autograd saves: kept to a few attribute reads
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         key, nbytes = _storage(t)
@@ -82,7 +81,8 @@ class ActivationProbe:
         self.by_owner = {}
         self._seen.clear()
         if self._known is not None and self._known[0] is model:
-            self._params, self._model = set(self._known[1]), None
+            # a frozenset: `_count` adds to the set only for sharded models, never cached
+            self._params, self._model = self._known[1], None
         else:
             self._params = {_storage(_local(p))[0] for p in model.parameters()}
             # FSDP2 swaps each block's sharded parameters for all-gathered ones during its

@@ -332,30 +332,27 @@ class LivePlots:
 
     def _send(self):
         """One message with every trace's new points; full re-sends only when thinning."""
-        by_fig, resend = {}, []
+        extend, replace = {}, {}
+
+        def put(into, t, xs, ys):
+            # by identity: a figure's == compares whole figures (to_dict, deep copies)
+            i = next(k for k, fig in enumerate(self.figures) if fig is t.fig)
+            idx, all_xs, all_ys = into.setdefault(i, ([], [], []))
+            idx.append(next(k for k, tr in enumerate(t.fig.data) if tr is t.trace))
+            all_xs.append(xs)
+            all_ys.append(ys)
+
         for t in self._traces.values():
             new = t.take_new(self.max_points)
-            if new is None:
-                resend.append(t)
+            if new is None:  # rare: the stride just doubled; the thinned trace goes in full
+                xs, ys = t.thinned()
+                put(replace, t, xs, ys)
+                t.shown = len(xs)
             elif new[0]:
-                # by identity: a figure's == compares whole figures (to_dict, deep copies)
-                i = next(k for k, fig in enumerate(self.figures) if fig is t.fig)
-                idx, xs, ys = by_fig.setdefault(i, ([], [], []))
-                idx.append(next(k for k, tr in enumerate(t.fig.data) if tr is t.trace))
-                xs.append(new[0])
-                ys.append(new[1])
-        replace = {}
-        for t in resend:  # rare: the stride just doubled; the thinned trace goes in full
-            i = next(k for k, fig in enumerate(self.figures) if fig is t.fig)
-            idx, xs, ys = replace.setdefault(i, ([], [], []))
-            idx.append(next(k for k, tr in enumerate(t.fig.data) if tr is t.trace))
-            x, y = t.thinned()
-            xs.append(x)
-            ys.append(y)
-            t.shown = len(x)
-        if by_fig or replace:
+                put(extend, t, *new)
+        if extend or replace:
             # one message, drawn in order by the page: extends first, then the full copies
-            msg = {"extend": [[f"{self._uid}-{i}", *v] for i, v in by_fig.items()],
+            msg = {"extend": [[f"{self._uid}-{i}", *v] for i, v in extend.items()],
                    "replace": [[f"{self._uid}-{i}", *v] for i, v in replace.items()]}
             self.feeder.send(msg)
             self.feeder.points_sent += sum(len(x) for item in msg.values()
