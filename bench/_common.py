@@ -29,16 +29,13 @@ def ab_ratios(rounds, base, resamples=400, seed=0):
 
     ``rounds``: one dict per round, variant -> that round's step times; ``base``: the name of
     the variant to compare with, or a function of a variant's name giving it (each variant
-    against the plain steps that ran beside it). Returns, per variant,
-    ``(pooled, lo, hi, round_med, round_q1, round_q3)``: ``pooled`` is the median of all the
-    variant's steps over the median of all of ``base``'s (every round weighs alike, so drift
-    hits both sides); ``lo``-``hi`` a 90% bootstrap interval of it, resampling whole rounds (a
-    second run of the benchmark should land inside it); then the median and IQR of the
-    per-round ratios (how much one round can mislead)."""
+    against the plain steps that ran beside it). Returns, per variant, ``(pooled, lo, hi)``:
+    ``pooled`` is the median of all the variant's steps over the median of all of its base's
+    (every round weighs alike, so drift hits both sides); ``lo``-``hi`` a 90% bootstrap interval
+    of it, resampling whole rounds (a second run of the benchmark should land inside it)."""
     import random
 
     rng = random.Random(seed)
-    names = list(rounds[0])
     base_of = base if callable(base) else (lambda name: base)
 
     def pooled(sample, name):
@@ -46,10 +43,8 @@ def ab_ratios(rounds, base, resamples=400, seed=0):
         return a / statistics.median([t for r in sample for t in r[base_of(name)]])
 
     out = {}
-    for name in names:
+    for name in rounds[0]:
         boot = sorted(pooled([rng.choice(rounds) for _ in rounds], name) for _ in range(resamples))
-        per = [statistics.median(r[name]) / statistics.median(r[base_of(name)]) for r in rounds]
-        q = statistics.quantiles(per, n=4) if len(per) > 1 else per * 3
         out[name] = (pooled(rounds, name), boot[int(0.05 * resamples)],
-                     boot[int(0.95 * resamples) - 1], statistics.median(per), q[0], q[2])
+                     boot[int(0.95 * resamples) - 1])
     return out

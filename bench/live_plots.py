@@ -137,7 +137,6 @@ def main(argv=None):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-    import statistics
     res = found[0]
     off, on = "plots off (the lab's refresher still polls)", "lab plots on"
     stats = ab_ratios(res["rounds"], off)
@@ -145,11 +144,11 @@ def main(argv=None):
     for name in (off, on):
         vals = [t for r in res["rounds"] for t in r[name]]
         q = statistics.quantiles(vals, n=4)
-        pooled, lo, hi, _, _, _ = stats[name]
+        pooled, lo, hi = stats[name]
         rows.append((name, f"{1000 * statistics.median(vals):.3f}",
                      f"{1000 * q[0]:.3f}-{1000 * q[2]:.3f}", f"**{pooled:.3f}x** ({lo:.3f}-{hi:.3f})",
                      len(vals)))
-    ratio, lo, hi = stats[on][:3]
+    ratio, lo, hi = stats[on]
     kcpu = {k: c / t for k, (c, t) in res["kernel_cpu"].items()}
     cost = kernel_cost()
     text = (f"### Live plotting (`python -m bench.live_plots --rounds {args.rounds} --steps "

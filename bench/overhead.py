@@ -134,7 +134,6 @@ def main(argv=None):
                              micro_batch=4, accum_steps=2, checkpoint=2, steps=args.steps,
                              device=args.device)
     backend, _ = ddpkit.devices.resolve_devices(2, None, args.device)
-    # the peak probe runs at step 1 and every cfg.peak_every (10) steps: the mean shows its cost
     # one dict per round and clock: variant -> its step times, and the plain steps beside them
     rounds = {"wall": [], "cpu": []}
     order = list(VARIANTS.items())
@@ -157,7 +156,7 @@ def main(argv=None):
         row = [name]
         for clock in ("wall", "cpu"):
             vals = [t for r in rounds[clock] for t in r[name]]
-            pooled, lo, hi, _, _, _ = stats[clock][name]
+            pooled, lo, hi = stats[clock][name]
             row += [f"{1000 * statistics.median(vals):.2f}", f"**{pooled:.3f}x** ({lo:.3f}-{hi:.3f})"]
         rows.append(row)
     cpu, wall = stats["cpu"]["ddpkit, all probes on"], stats["wall"]["ddpkit, all probes on"]
