@@ -13,7 +13,8 @@ import torch
 from . import saving, strategies
 from .data import RankBatches, make_dataset
 from .policies import CheckpointPolicy
-from .probes import ActivationProbe, PeakProbe, StepTimer, state_bytes
+from .memory import PeakProbe
+from .probes import ActivationProbe, StepTimer, state_bytes
 from .spec import build_model
 from .step import train_step, zero_grad
 
@@ -29,10 +30,12 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
     and broadcast (about every 0.1 s), so a change lands on every rank at the same step.
     resume_from: a save_dir (its latest complete checkpoint) or a checkpoint folder.
     """
+    probes = cfg.probes
+    # before anything is built: on CPU it starts c10's count of live allocations
+    peak = PeakProbe(ctx.device) if "peak" in probes else None
     model = build_model(cfg)[0].to(ctx.device)
     # the order that works for DDP and FSDP alike: checkpointing first, then wrap (strategies)
     CheckpointPolicy.from_config(cfg).apply(model, cfg.blocks_path)
-    probes = cfg.probes
     wrapped, optimizer, comm = strategies.wrap(cfg, model, ctx, count_comm="comm" in probes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup_steps))
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
@@ -40,10 +43,12 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
     saved = wrapped if fsdp else model  # FSDP saves its shards (DCP); DDP the unwrapped module
     # built-in data keep their fixed order (sample i is the same for any world size); a
     # dataset of yours is shuffled by DistributedSampler, seeded, a new order each epoch
-    data = RankBatches(make_dataset(cfg), ctx.rank, ctx.world_size, seed=cfg.seed,
-                       shuffle=not cfg.builtin)
+    before = peak.allocated() if peak else 0
+    dataset = make_dataset(cfg)
+    if peak:  # the dataset stays in host memory on a GPU run: left out of the peak
+        peak.leave_out(peak.allocated() - before)
+    data = RankBatches(dataset, ctx.rank, ctx.world_size, seed=cfg.seed, shuffle=not cfg.builtin)
     acts = ActivationProbe() if "activations" in probes else None
-    peak = PeakProbe(ctx.device) if "peak" in probes else None
     timer = StepTimer(ctx.device)
     accum, setting, consumed, first = cfg.accum_steps, cfg.checkpoint, 0, 0
     if resume_from is not None:
@@ -69,23 +74,26 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         # bytes by the model and optimizer: measured at the first step, at the step a change
         # lands and every peak_every steps, and carried between (the activation probe's hook on
         # every saved tensor costs ~0.3 ms a micro-batch on a CPU rank)
-        sample = step == first or bool(changed) or step % cfg.peak_every == 0
+        # on CPU the peak probe opens a profiler window that doubles the step it measures:
+        # steps 0 (optimizer state is made) and 1 (DDP rebuilds its buckets), every peak_every
+        # steps after, and the step a change lands (CUDA's counter is free: every step)
+        probe_peak = peak is not None and (ctx.device.type == "cuda" or bool(changed) or
+                                           step - first < 2 or (step - 1) % cfg.peak_every == 0)
+        sample = step == first or bool(changed) or step % cfg.peak_every == 0 or probe_peak
         probe_acts = acts is not None and sample
         if probe_acts:
             acts.new_step()
-        # on CPU the peak probe opens a profiler window that doubles the step it measures:
-        # step 1, every peak_every steps, and the step a change lands (CUDA's counter is free)
-        probe_peak = peak is not None and (ctx.device.type == "cuda" or bool(changed) or
-                                           (step - 1) % cfg.peak_every == 0 or cfg.steps == 1)
         # static_graph + no_sync() on the very first iteration trips an internal assert in
         # DDP's reducer (a known torch bug): the first step syncs every micro-batch instead
         skip_sync = cfg.no_sync and not (cfg.static_graph and step == 0)
-        with timer.time(), (peak.step(model, optimizer) if probe_peak else nullcontext()):
+        watch = peak.step(model, optimizer, comm.bucket_buffers if comm else None,
+                          acts if probe_acts else None) if probe_peak else nullcontext()
+        with timer.time(), watch:
             loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
                               precision=cfg.precision, device=ctx.device, scaler=scaler,
                               activation_probe=acts if probe_acts else None, inner=model,
-                              scheduler=scheduler,
-                              loss_fn=cfg.loss_fn)
+                              scheduler=scheduler, loss_fn=cfg.loss_fn,
+                              phase=peak.phase if probe_peak else None)
         record = dict(step=step, loss=loss, step_time_s=timer.seconds,
                       samples_per_s=ctx.world_size * cfg.micro_batch * accum / timer.seconds,
                       accum_steps=accum, checkpoint=str(setting), changed=",".join(changed),
@@ -96,8 +104,10 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         record.update(states)
         if acts:
             record["activation_bytes"] = acts.max_bytes
-        if probe_peak:
-            record["peak_bytes"] = peak.peak_bytes
+        if probe_peak and peak.peak is not None:
+            record.update(peak_bytes=peak.peak.bytes, peak_phase=peak.peak.phase,
+                          peak_ledger=peak.peak.ledger, peak_by_phase=peak.peak.by_phase,
+                          data_bytes=peak.data_bytes)
         if comm:
             record.update(allreduce_calls=comm.calls, allreduce_bytes=comm.bytes)
         zero_grad(optimizer)

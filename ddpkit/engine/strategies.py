@@ -23,16 +23,23 @@ def optimizer_class(cfg):
     return torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
 
 
-def wrap(cfg, model, ctx, count_comm=True):
-    """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy."""
+def device_mesh(ctx):
+    """FSDP's mesh, on the ranks' own device: FSDP's default mesh takes the machine's
+    accelerator, which is wrong for CPU ranks on a machine that has a GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(ctx.device.type, (ctx.world_size,))
+
+
+def wrap(cfg, model, ctx, count_comm=True, mesh=None):
+    """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy. ``mesh``: FSDP's
+    device mesh, if made already (the estimate makes it outside FakeTensorMode)."""
     if cfg.strategy == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        # an explicit mesh on the ranks' own device: FSDP's default mesh takes the machine's
-        # accelerator, which is wrong for CPU ranks on a machine that has a GPU
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         from .blocks import resolve_blocks
+
+        mesh = mesh or device_mesh(ctx)
 
         for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block
             fully_shard(block, mesh=mesh)
