@@ -78,10 +78,17 @@ class Peak:
         return pd.Series(self.ledger, name="bytes").sort_values(ascending=False)
 
     def __repr__(self):
-        from ..explore.units import human_bytes  # noqa: PLC0415 (units is a leaf module)
+        parts = ", ".join(f"{k} {_fmt(v)}" for k, v in self.ledger.items() if v)
+        return f"Peak({_fmt(self.bytes)} in the {self.phase}: {parts})"
 
-        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in self.ledger.items() if v)
-        return f"Peak({human_bytes(self.bytes)} in {self.phase}: {parts})"
+
+def _fmt(n):
+    """Bytes in the largest unit that keeps them >= 1 (the engine's own: it imports nothing
+    from explore/)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
 
 
 def phase_of(by_phase):

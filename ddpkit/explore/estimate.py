@@ -75,9 +75,19 @@ class Estimate:
     """'formula' (built-in models, first principles) or 'traced' (FakeTensorMode)."""
     config: object = field(default=None, repr=False, compare=False)
 
+    def peak(self, step=None, rank=None):
+        """The step's predicted peak per rank, a `ddpkit.engine.memory.Peak` (``bytes``,
+        ``phase``, ``ledger``: bytes by kind at that moment), from the rank's own step simulated
+        on fake tensors (`ddpkit.explore.peak`). ``step``: 0 (the optimizer state is made), 1
+        or 'steady' (every step after: DDP's rebuild of its buckets at step 1 frees as much as it
+        allocates), None: the higher. ``rank``: None is the heaviest rank."""
+        from .peak import predicted_peak
+
+        return predicted_peak(self.config, step, rank)
+
     def fits(self, gpu):
-        """`plan.Fit` (truthy if it fits) on a GPU name ('T4', 'A100-80GB', 'H100': see
-        `ddpkit.explore.plan.GPUS`) or a byte count, with this config's checkpoint setting."""
+        """`plan.Fit` (truthy if it fits) of the step's peak on a GPU name ('T4', 'A100-80GB',
+        'H100': see `ddpkit.explore.plan.GPUS`) or a byte count, with this config's setting."""
         from .plan import fits
 
         return fits(self.config, gpu)
@@ -99,6 +109,9 @@ class Estimate:
 
     @property
     def total(self):
+        """Model states plus one micro-batch's activations: a sum of parts, not the step's
+        peak (which adds DDP's buckets and the step's temporaries, and may sit in the
+        optimizer step): for "will it fit", `peak()`."""
         return self.params + self.grads + self.optimizer + self.activations
 
     def to_dict(self):
@@ -109,8 +122,8 @@ class Estimate:
     def __repr__(self):
         mib = human_bytes
         return (f"Estimate(params={mib(self.params)}, grads={mib(self.grads)}, "
-                f"optimizer={mib(self.optimizer)}, activations={mib(self.activations)}, "
-                f"total={mib(self.total)})")
+                f"optimizer={mib(self.optimizer)}, activations={mib(self.activations)}; "
+                f"the step's peak: .peak())")
 
 
 def param_count(cfg):

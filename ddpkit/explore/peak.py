@@ -35,6 +35,7 @@ Where the simulation is not the rank's code, it says so here, each with why the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import threading
@@ -258,10 +259,19 @@ def _skip_dtensor_meta(live):
 
 
 # ----------------------------------------------------------------------------- the step
+@dataclasses.dataclass
+class Simulation:
+    """One simulated rank: ``peaks[s]`` is step s's `Peak` (step 0 makes the optimizer state;
+    step 1 is the steady state: see the module's note on DDP's rebuild). ``loads``: the
+    parameters each rank's optimizer updates (numel), which says which rank is heaviest."""
+    rank: int
+    peaks: list
+    loads: list
+
+
 def simulate(cfg, rank=0, steps=2):
-    """The `Peak` of each of the first ``steps`` optimizer steps of rank ``rank`` of ``cfg``:
-    step 0 makes the optimizer state, step 1 is the steady state (see the module's note on
-    DDP's rebuild)."""
+    """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
+    `Simulation`."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     from ..devices import resolve_devices
@@ -302,7 +312,26 @@ def simulate(cfg, rank=0, steps=2):
             peaks.append(_one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets,
                                    _as_real_for_transformers(real_batch)))
             zero_grad(optimizer)
-    return peaks
+        loads = _loads(optimizer, model, cfg.world_size)
+    return Simulation(rank, peaks, loads)
+
+
+def _loads(optimizer, model, world_size):
+    """Numel of the parameters each rank's optimizer updates: ZeRO-1's greedy partition, FSDP's
+    dim-0 chunks (the first ranks take the larger), DDP's whole model on every rank."""
+    if hasattr(optimizer, "_partition_parameters"):
+        return [sum(p.numel() for group in groups for p in group["params"])
+                for groups in optimizer._partition_parameters()]
+    numel = [0] * world_size
+    for p in model.parameters():
+        if hasattr(p, "to_local"):  # torch.chunk's rows: ceil(n / N) each, the last ones fewer
+            rows, row = p.shape[0], p.numel() // max(p.shape[0], 1)
+            size = -(-rows // world_size)
+            for r in range(world_size):
+                numel[r] += min(size, max(rows - r * size, 0)) * row
+        else:
+            numel = [n + p.numel() for n in numel]
+    return numel
 
 
 def _premade_mesh(cfg, ctx):
@@ -363,3 +392,52 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
     for keys, index in zip(acts.saved_keys, live.forward_ends):
         seen += [("activations", key, index - start) for key in keys]
     return memory.summarize(live.events[start:], live.totals[start:], base, census, seen)
+
+
+# ----------------------------------------------------------------------------- memoised answers
+_MEMO, _MEMO_LOCK = {}, threading.Lock()
+_NOT_MEMORY = ("steps", "lr", "warmup_steps", "seed", "measure", "save_every", "save_dir",
+               "peak_every", "stall_timeout_s")
+
+
+def _key(cfg, rank):
+    d = cfg.to_dict()
+    return rank, tuple((k, v if isinstance(v, (str, int, float, bool, type(None))) else
+                        (id(v) if callable(v) else repr(v)))
+                       for k, v in d.items() if k not in _NOT_MEMORY)
+
+
+def simulated(cfg, rank):
+    """`simulate(cfg, rank)`, memoised per memory-relevant setting (the Lab and `plan` ask the
+    same question often)."""
+    key = _key(cfg, rank)
+    with _MEMO_LOCK:
+        hit = _MEMO.get(key)
+    if hit is not None and hit[0].model is cfg.model and hit[0].data is cfg.data:
+        return hit[1]
+    sim = simulate(cfg, rank)
+    with _MEMO_LOCK:
+        if len(_MEMO) > 64:
+            _MEMO.clear()
+        _MEMO[key] = (cfg, sim)
+    return sim
+
+
+def predicted_peak(cfg, step=None, rank=None):
+    """The predicted `Peak` of ``cfg``'s step ``step`` (0: the optimizer state is made; 1 or
+    'steady': every step after; None: the higher) on rank ``rank`` (None: the heaviest: the
+    rank whose optimizer updates the most parameters, rank 0 on a tie)."""
+    if step not in (None, 0, 1, "steady"):
+        raise ValueError(f"peak(step={step!r}): pass 0 (the first step, which makes the "
+                         f"optimizer state), 1 or 'steady' (every step after), or None (the higher)")
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < cfg.world_size):
+        raise ValueError(f"peak(rank={rank!r}): pass a rank in 0..{cfg.world_size - 1} or None "
+                         f"(the heaviest)")
+    sim = simulated(cfg, 0 if rank is None else rank)
+    if rank is None:
+        heaviest = max(range(cfg.world_size), key=lambda r: (sim.loads[r], -r))
+        if heaviest != 0:
+            sim = simulated(cfg, heaviest)
+    if step is None:
+        return max(sim.peaks, key=lambda p: p.bytes)
+    return sim.peaks[0 if step == 0 else 1]
