@@ -399,9 +399,14 @@ def fits(cfg, gpu):
 
 def largest_micro_batch(cfg, gpu, limit=4096):
     """The largest micro-batch with which ``cfg`` (its checkpoint setting) fits ``gpu``; 0 if
-    none does. Each phase's peak grows linearly with the micro-batch (the optimizer step's not
-    at all): two simulated steps give the lines, and the answer is simulated itself."""
+    none does. Each phase's peak grows about linearly with the micro-batch (the optimizer
+    step's not at all): two simulated steps give a first guess, and a search by simulated
+    steps around it gives the answer (the answer fits; one more sample does not)."""
     usable = usable_bytes(gpu)
+
+    def fit(mb):
+        return _peak(cfg.replace(micro_batch=mb)).bytes <= usable
+
     one, two = _peak(cfg.replace(micro_batch=1)), _peak(cfg.replace(micro_batch=2))
     if one.bytes > usable:
         return 0
@@ -410,7 +415,12 @@ def largest_micro_batch(cfg, gpu, limit=4096):
         slope = two.by_phase.get(phase, at_one) - at_one
         if slope > 0:
             guess = min(guess, 1 + (usable - at_one) // slope)
-    guess = max(int(guess), 1)
-    while guess > 1 and _peak(cfg.replace(micro_batch=guess)).bytes > usable:
-        guess -= 1
-    return guess
+    good, bad = 1, limit + 1  # fits / does not (limit + 1: nothing above is asked)
+    guess = int(min(max(guess, 1), limit))
+    while guess < bad and fit(guess):  # gallop up from the guess...
+        good, guess = guess, min(2 * guess, bad)
+    bad = min(bad, guess) if guess > good else bad
+    while bad - good > 1:  # ...then halve the gap
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fit(mid) else (good, mid)
+    return good
