@@ -116,15 +116,16 @@ def test_params_grads_optimizer_bytes_match_the_estimate_exactly(pool, optimizer
         assert all(abs(s - full / 2) <= 0.25 * full / 2 for s in shards)  # about 1/world_size each
 
 
-def test_peak_bytes_cover_model_states_and_activations(pool):
-    res = ddpkit.train(ddpkit.TrainConfig(**{**TINY, "steps": 4, "peak_every": 2}), pool=pool)
+def test_the_peak_is_probed_at_steps_0_and_1_then_every_peak_every(pool):
+    res = ddpkit.train(ddpkit.TrainConfig(**{**TINY, "steps": 6, "peak_every": 2}), pool=pool)
     est = estimate(res.config)
-    assert [m["step"] for m in res.metrics if "peak_bytes" in m and m["rank"] == 0] == [1, 3]
+    assert [m["step"] for m in res.metrics if "peak_bytes" in m and m["rank"] == 0] == [0, 1, 3, 5]
     for m in res.metrics:
         if "peak_bytes" not in m:
             continue
         assert m["peak_bytes"] >= est.params + m["activation_bytes"]
-        assert m["peak_bytes"] < 20 * (est.total + 2**20)
+        assert sum(m["peak_ledger"].values()) == m["peak_bytes"]
+        assert m["peak_ledger"]["parameters"] == est.params
 
 
 def test_sampled_probes_carry_what_every_step_would_measure(pool):
