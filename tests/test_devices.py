@@ -78,6 +78,22 @@ def test_ranks_share_gpus_round_robin_and_the_run_says_so(monkeypatch):
     assert devices.shared_note(2, "gloo", "cuda") is None  # one GPU each: nothing shared
 
 
+def test_the_shared_gpu_note_is_said_once_per_run_and_counted_whole(monkeypatch, capsys):
+    # tests/gpu counts the note itself: it says "share" twice, so counting the word fails
+    gpus(monkeypatch, 1)
+    note = devices.shared_note(2, "gloo", "cuda")
+    assert note.count("share") == 2
+    # real gloo ranks with the note switched on in this kernel: printed once per launch and
+    # once per pool (not per job, nor by the ranks, which start fresh without it)
+    monkeypatch.setattr(devices, "shared_note", lambda *args: note)
+    ddpkit.launch(gloo_timeout, world_size=2, backend="gloo", device="cpu")
+    assert capsys.readouterr().out.count(note) == 1
+    with ddpkit.Pool(world_size=2, backend="gloo", device="cpu") as pool:
+        pool.launch(gloo_timeout)
+        pool.launch(gloo_timeout)
+    assert capsys.readouterr().out.count(note) == 1
+
+
 @pytest.mark.parametrize("local_world, local_rank, want", [(2, 1, ("nccl", "cuda:1")),
                                                            (4, 3, ("gloo", "cuda:1"))])
 def test_torchrun_ranks_make_the_same_choice(monkeypatch, local_world, local_rank, want):
