@@ -333,6 +333,12 @@ def _sbatch_script(cli, nodes, gpus_per_node, nproc_per_node, time, partition, a
                                               "gpus_per_node (NCCL runs one process per GPU)")
     if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535:
         bad("port", port, "pass a free TCP port in 1024..65535 on the first node")
+    for name, value in (("time", time), ("partition", partition), ("account", account),
+                        ("job_name", job_name)):
+        if value is not None and (not isinstance(value, str) or not value
+                                  or any(c.isspace() or c in "'\"$`\\" for c in value)):
+            bad(name, value, "an #SBATCH value takes no spaces or quotes: pass e.g. "
+                             "time='02:00:00', partition='gpu', job_name='ddpkit-gpt'")
     import shlex
 
     lines = ["#!/bin/bash",

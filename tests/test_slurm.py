@@ -55,7 +55,7 @@ def run_bounded(cmd, timeout, **kwargs):
 @pytest.mark.parametrize("kwargs", [
     dict(nodes=4, gpus_per_node=8, partition="gpu", account="proj", setup="module load cuda"),
     dict(nodes=1, gpus_per_node=0, nproc_per_node=2, json=None),
-    dict(nodes=2, gpus_per_node=4, nproc_per_node=2, time="00:10:00", job_name="my run"),
+    dict(nodes=2, gpus_per_node=4, nproc_per_node=2, time="00:10:00", job_name="gpt-2x2"),
 ])
 def test_the_script_is_valid_bash_with_one_torchrun_per_node(tmp_path, kwargs):
     cfg = ddpkit.TrainConfig(**CFG, use_reentrant=True)
@@ -82,6 +82,8 @@ def test_the_script_is_valid_bash_with_one_torchrun_per_node(tmp_path, kwargs):
     (dict(nodes=2, gpus_per_node=0), r"to_slurm\(nproc_per_node=None\): CPU nodes.*nproc_per_node=2"),
     (dict(nodes=2, gpus_per_node=4, nproc_per_node=8), r"nproc_per_node=8\).*at most gpus_per_node"),
     (dict(nodes=2, gpus_per_node=4, port=80), r"to_slurm\(port=80\): pass a free TCP port"),
+    (dict(nodes=2, gpus_per_node=4, job_name="my run"), r"job_name='my run'\): an #SBATCH value"),
+    (dict(nodes=2, gpus_per_node=4, time=""), r"to_slurm\(time=''\): an #SBATCH value"),
 ])
 def test_bad_slurm_settings_name_the_fix(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
