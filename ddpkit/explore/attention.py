@@ -228,7 +228,8 @@ def kernel_saves(kernel, q, k, v, attn_mask=None, requires_grad=True):
         E8 = _ceil(q.shape[-1], 8)
         padded = [Saved(f"{n} (padded to {E8})", (*t.shape[:-1], E8), t.dtype)
                   for n, t in (("q", q), ("k", k), ("v", v))] if E8 != q.shape[-1] else []
-        return padded + [Saved("output", (B, H, L, E8), q.dtype), Saved("log-sum-exp", (B, H, L), f32),
+        return padded + [Saved("output", (B, H, L, E8), q.dtype),
+                         Saved("log-sum-exp", (B, H, L), f32),
                          Saved("rng state", (2,), torch.uint64), Saved("unused", (), torch.uint64)]
     if kernel == "cudnn":
         saved = [out, Saved("log-sum-exp", (B, H, L, 1), f32),

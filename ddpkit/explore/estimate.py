@@ -245,7 +245,7 @@ class _Traced:
         from ..engine.spec import build_model
 
         self.cfg = cfg
-        self.target = _target(cfg)  # a CUDA run: each attention call saves what CUDA's kernel does
+        self.target = _target(cfg)  # a CUDA run: attention keeps what its CUDA kernel keeps
         self.mode = FakeTensorMode()
         self.lock, self.memo = threading.RLock(), {}
         real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
