@@ -335,7 +335,7 @@ def _loads(optimizer, model, world_size):
 
 
 def _premade_mesh(cfg, ctx):
-    return None if cfg.strategy != "fsdp" else strategies.device_mesh(ctx)
+    return None if cfg.strategy != "fsdp" else strategies.fsdp_mesh(ctx.device.type)
 
 
 def _watch_buckets(wrapped, cfg):
