@@ -6,6 +6,7 @@ launcher or the rank's plumbing).
 data, loss, what is in it) · `blocks.py` (finding the repeated blocks) · `policies.py`
 (`CheckpointSetting` and the checkpoint policy it builds and applies) · `data.py` (datasets and
 per-rank batches) · `strategies.py` (ddp, ZeRO-1, FSDP: wrap after checkpointing) · `step.py`
-(one optimizer step, rank-agnostic) · `probes.py` (memory, comm, time, FLOPs) · `saving.py`
+(one optimizer step, rank-agnostic) · `probes.py` (memory, comm, time, FLOPs) · `measure.py`
+(the probes a run turned on and when each reads) · `saving.py`
 (atomic checkpoints, exact resume) · `loop.py` (`train_rank`: the loop each rank runs).
 """
