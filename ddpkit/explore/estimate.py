@@ -243,14 +243,14 @@ class _Traced:
     def _per_block(self):
         from torch.utils.flop_counter import FlopCounterMode
 
-        from ..engine.probes import ActivationProbe, _storage
+        from ..engine.probes import ActivationProbe, storage
 
         probe, inputs = ActivationProbe(), {}
 
         def enter(i, module, args, kwargs):
             probe.owner = i
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            inputs[i] = _storage(first)[1] if first is not None else 0
+            inputs[i] = storage(first)[1] if first is not None else 0
         hooks = [b.register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True)
                  for i, b in enumerate(self.blocks)]
         hooks += [b.register_forward_hook(lambda *a: setattr(probe, "owner", None))
