@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ddpkit
+from ddpkit.engine.policies import CheckpointSetting
 from ddpkit.explore.estimate import activation_bytes, estimate, param_count
 from ddpkit.engine.models import build_model
 
@@ -94,7 +95,7 @@ def test_activation_bytes_fall_with_segments_as_estimated(pool, model):
         acts = {m["activation_bytes"] for m in res.metrics}
         assert len(acts) == 1  # the same on every rank and step
         measured[setting] = acts.pop()
-        predicted = activation_bytes(base, setting)
+        predicted = activation_bytes(base, CheckpointSetting.of(setting, base.n_blocks))
         assert abs(measured[setting] - predicted) <= 0.10 * predicted, (setting, measured, predicted)
     assert measured[None] > measured[2] > measured[4] > measured["full"]
     # the structure: s=2 keeps 1 boundary + 2 blocks; None keeps 4 blocks -> the step is 2 blocks

@@ -12,7 +12,7 @@ import torch
 from . import saving, strategies
 from .data import RankBatches, make_dataset
 from .measure import Measure
-from .policies import CheckpointPolicy
+from .policies import CheckpointSetting
 from .spec import build_model
 from .step import train_step, zero_grad
 
@@ -27,21 +27,22 @@ class LiveSettings:
 
     def __init__(self, cfg, model):
         self.cfg, self.model = cfg, model
-        self.accum, self.checkpoint = cfg.accum_steps, cfg.checkpoint
+        self.accum, self.checkpoint = cfg.accum_steps, cfg.checkpointing
         self._install()
 
     def _install(self):
-        CheckpointPolicy.from_config(self.cfg, self.checkpoint).apply(self.model,
-                                                                      self.cfg.blocks_path)
+        self.cfg.checkpoint_policy(self.checkpoint).apply(self.model, self.cfg.blocks_path)
 
     def update(self, sent):
         """Apply the settings the kernel sent (the same on every rank, at the same step);
         returns the names of those that changed."""
         changed = []
-        if "checkpoint" in sent and sent["checkpoint"] != self.checkpoint:
-            self.checkpoint = sent["checkpoint"]
-            self._install()
-            changed.append("checkpoint")
+        if "checkpoint" in sent:
+            setting = CheckpointSetting.of(sent["checkpoint"], self.cfg.n_blocks)
+            if setting != self.checkpoint:
+                self.checkpoint = setting
+                self._install()
+                changed.append("checkpoint")
         if "accum_steps" in sent and int(sent["accum_steps"]) != self.accum:
             self.accum = int(sent["accum_steps"])
             changed.append("accum_steps")
@@ -88,7 +89,7 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
                               loss_fn=cfg.loss_fn)
         record = dict(step=step, loss=loss, step_time_s=measure.seconds,
                       samples_per_s=ctx.world_size * cfg.micro_batch * accum / measure.seconds,
-                      accum_steps=accum, checkpoint=str(settings.checkpoint),
+                      accum_steps=accum, checkpoint=settings.checkpoint.plain,
                       changed=",".join(changed), lr=scheduler.get_last_lr()[0],
                       **measure.read(model, optimizer))  # before zero_grad frees the gradients
         zero_grad(optimizer)

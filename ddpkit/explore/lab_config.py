@@ -32,17 +32,17 @@ class ConfigSync:
             self._syncing = False
 
     def checkpoint_setting(self):
-        """What the controls say: None, an int (segments), or a list (per-block toggles)."""
+        """What the controls say, a `CheckpointSetting`: the per-block toggles once one was
+        moved, else the segments slider (0: none)."""
         if self._selective:
-            mask = [t.value for t in self.view.block_toggles]
-            return mask if any(mask) else None
-        s = self.view.controls["segments"].value
-        return s or None
+            return CheckpointSetting.from_mask([t.value for t in self.view.block_toggles])
+        return CheckpointSetting.of(self.view.controls["segments"].value or None,
+                                    self.cfg.n_blocks)
 
     def config(self):
         """The TrainConfig the controls describe (raises ValueError naming the field)."""
         v = {k: w.value for k, w in self.view.controls.items() if k != "segments"}
-        return self.cfg.replace(checkpoint=self.checkpoint_setting(), **v)
+        return self.cfg.replace(checkpoint=self.checkpoint_setting().plain, **v)
 
     def on_control(self, change):
         if self._syncing:
@@ -51,8 +51,7 @@ class ConfigSync:
             self._selective = False
             self._syncing = True
             try:
-                mask = CheckpointSetting.of(self.checkpoint_setting(), self.cfg.n_blocks).mask
-                for t, on in zip(self.view.block_toggles, mask):
+                for t, on in zip(self.view.block_toggles, self.checkpoint_setting().mask):
                     t.value = on
             finally:
                 self._syncing = False

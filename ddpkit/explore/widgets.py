@@ -87,7 +87,7 @@ class Lab:
 
     # ------------------------------------------------------------------ the config
     def checkpoint_setting(self):
-        """What the controls say: None, an int (segments), or a list (per-block toggles)."""
+        """What the controls say, a `CheckpointSetting` (segments, or per-block toggles)."""
         return self.sync.checkpoint_setting()
 
     def config(self):
@@ -126,8 +126,9 @@ class Lab:
         self.follower.reset(cfg)
         self.runner.check(cfg)
         self.view.output.clear_output()
-        self.plots.new_run(cfg.world_size, predict=lambda rec: activation_bytes(
-            cfg, CheckpointSetting.parse(rec["checkpoint"], cfg.n_blocks).plain), label=f"run {len(self.history)}")
+        self.plots.new_run(cfg.world_size, label=f"run {len(self.history)}", n_blocks=cfg.n_blocks,
+                           predict=lambda rec: activation_bytes(
+                               cfg, CheckpointSetting.of(rec["checkpoint"], cfg.n_blocks)))
         self.view.set_running(True)
         self.follower.clock()
         self._handle = self.runner.train(cfg, self._on_metric, self.follower.on_output)
