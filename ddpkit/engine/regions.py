@@ -26,12 +26,24 @@ It can still make a segment of blocks one region, with forward hooks on the bloc
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import (_checkpoint_without_reentrant_generator, get_device_states,
                                     noop_context_fn, set_device_states)
+
+
+# older torch (2.6 is the floor) has no early_stop parameter: pass it only where there is one
+_EARLY_STOP = (True,) if "early_stop" in inspect.signature(
+    _checkpoint_without_reentrant_generator).parameters else ()
+
+
+def _outer_hooks():
+    """The saved-tensor hooks in force now (the activation probe's, or none: identity)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+    return top(False) or (lambda t: t, lambda t: t)
 
 
 def _first_tensor(out):
@@ -102,11 +114,10 @@ class _Region:
         self.last, self.output, self.version, self.gap = index, None, None, None
         owner.policy.report(_top_level(args, kwargs))
         # what code between blocks saves goes where it would go without this region
-        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False) or \
-            (lambda t: t, lambda t: t)
+        self.outer = _outer_hooks()
         self.gen = _checkpoint_without_reentrant_generator(
             self.replay, owner.policy.preserve_rng_state, noop_context_fn, "default", False,
-            True, *inputs)
+            *_EARLY_STOP, *inputs)
         next(self.gen)
 
     def replay(self, *inputs):

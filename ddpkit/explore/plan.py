@@ -154,7 +154,7 @@ class Plan:
     def frontier_table(self):
         import pandas as pd
 
-        return pd.DataFrame([dict(checkpointed=sum(c.mask), mask="".join("1" if b else "0" for b in c.mask),
+        return pd.DataFrame([dict(checkpointed=sum(c.mask), mask=str(CheckpointSetting.from_mask(c.mask)),
                                   activation_bytes=c.activations, peak_bytes=c.total,
                                   flops_ratio=round(c.flops_ratio, 4),
                                   chosen=self.choice is not None and c.mask == self.choice.mask)
