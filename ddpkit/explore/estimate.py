@@ -20,7 +20,11 @@ tensors each op saves (fp32):
 * GPT block, per token: ln1 input + stats (D + 2); qkv input (D); attention keeps q, k, v (one
   3D buffer), its output (D; proj's input is a view of it, heads merged back without a copy)
   and log-sum-exp (one per head); ln2 input + stats (D + 2); fc1 input (D); GELU input (h);
-  fc2 input (h): ``8D + 2h + 4 + heads``.
+  fc2 input (h): ``8D + 2h + 4 + heads`` on CPU. What attention itself makes and keeps (output,
+  log-sum-exp, on CUDA an RNG state and paddings) is the kernel's own: `attention` says which
+  kernel the run's device picks and what it keeps; on CUDA's efficient kernel (fp32) that is
+  16 bytes more per block and log-sum-exp rounded up to 32 tokens. Where CUDA would run its
+  math kernel, the estimate traces the model instead.
 * A checkpointed segment keeps only its input (D per sample or token), whatever its length; a
   plain block keeps all of the above. Segments are counted as `CheckpointSetting.segments` lays
   them out (the last segment of an int setting is never checkpointed).
@@ -41,6 +45,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..engine.policies import CheckpointSetting
+from . import attention
 from .units import human_bytes
 
 F32, I64 = 4, 8
@@ -134,7 +139,12 @@ def activation_parts(cfg):
         return ends, block, boundary
     T, V = cfg.seq_len, cfg.vocab
     tokens = B * T
-    block = tokens * (8 * D + 2 * h + 4 + cfg.n_heads) * F32
+    attn = _attention_bytes(cfg)  # attention's own output and log-sum-exp, and more on CUDA
+    if attn is None:
+        raise ValueError(f"this run's GPU would compute attention with torch's math kernel "
+                         f"(head dim {D // cfg.n_heads}), which the formula does not count; "
+                         f"estimate(cfg) traces the model instead")
+    block = tokens * (7 * D + 2 * h + 4) * F32 + attn
     boundary = tokens * D * F32
     # token ids (embedding); head: ln_f input + stats, head's input, log-softmax output,
     # targets and nll_loss's scalar total weight
@@ -147,7 +157,7 @@ def activation_bytes(cfg, setting=None):
     the config's when not given): first principles for the built-in models, a FakeTensorMode
     trace for yours."""
     setting = _setting(cfg, setting)
-    if not cfg.builtin:
+    if not _by_formula(cfg):
         return trace_activations(cfg, setting)
     ends, block, boundary = activation_parts(cfg)
     total = ends
@@ -163,6 +173,32 @@ def _setting(cfg, setting):
         raise TypeError(f"pass a CheckpointSetting (CheckpointSetting.of({setting!r}, "
                         f"{cfg.n_blocks})), or nothing for the config's own setting")
     return setting
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _target(cfg):
+    """The GPU cfg's rank 0 computes attention on, or None for CPU ranks (`attention`)."""
+    return attention.run_target(cfg.world_size, cfg.backend, cfg.device)
+
+
+def _attention_bytes(cfg):
+    """What the built-in GPT's SDPA makes and keeps, one block, on the kernel the run's device
+    picks; None where that is CUDA's math kernel (no fixed set: traced instead)."""
+    B, T, D, H = cfg.micro_batch, cfg.seq_len, cfg.width, cfg.n_heads
+    x = torch.empty(B, T, 3 * D, dtype=_DTYPES[cfg.precision], device="meta")
+    q, k, v = x.view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # as models.Attention does
+    target = _target(cfg)
+    kernel = "cpu_flash" if target is None else attention.cuda_kernel(
+        q, k, v, target, is_causal=True, dropout_p=cfg.dropout)
+    return attention.saved_bytes(kernel, q, k, v)
+
+
+def _by_formula(cfg):
+    """Does the first-principles formula cover cfg? The built-in models, unless CUDA would run
+    the GPT's attention on its math kernel."""
+    return cfg.builtin and (cfg.model == "mlp" or _attention_bytes(cfg) is not None)
 
 
 def optimizer_bytes(cfg, n_params):
@@ -189,7 +225,7 @@ def estimate(cfg) -> Estimate:
         raise TypeError(f"estimate() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
                         f"build one with ddpkit.TrainConfig(model=..., ...)")
     shards = cfg.world_size if cfg.strategy == "fsdp" else 1
-    if cfg.builtin:
+    if _by_formula(cfg):
         n = param_count(cfg)
         _, block, boundary = activation_parts(cfg)
         costs = [BlockCost(f"blocks.{i}", block, boundary, f)
@@ -219,6 +255,7 @@ class _Traced:
         from ..engine.spec import build_model
 
         self.cfg = cfg
+        self.target = _target(cfg)  # a CUDA run: attention keeps what its CUDA kernel keeps
         self.mode = FakeTensorMode()
         self.lock, self.memo = threading.RLock(), {}
         real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
@@ -246,7 +283,7 @@ class _Traced:
         with self.lock:
             self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
             with self.mode, _as_real_for_transformers(self.batch), probe.forward(self.model), \
-                    autocast_for(self.cfg.precision, "cpu"):
+                    autocast_for(self.cfg.precision, "cpu"), _on_device(self.target):
                 compute_loss(self.model, self.batch, self.cfg.loss_fn)
         self.memo[key] = probe.bytes
         return probe.bytes
@@ -277,6 +314,12 @@ class _Traced:
         self.block_keeps = [probe.by_owner.get(i, 0) for i in range(len(self.blocks))]
         self.block_boundary = [inputs.get(i, 0) for i in range(len(self.blocks))]
         self.block_flops = [sum(counts.get(f"{root}.{n}", {}).values()) for n in self.block_names]
+
+
+def _on_device(target):
+    """Attention as the run's device computes it: CPU's kernels as they are; on a CUDA
+    target, the kernel CUDA picks, saving what it saves (`attention.on_cuda`)."""
+    return contextlib.nullcontext() if target is None else attention.on_cuda(target)
 
 
 @contextlib.contextmanager
@@ -319,7 +362,7 @@ def _trace_key(cfg):
     keep = ("model", "data", "loss", "blocks", "n_blocks", "width", "mlp_ratio", "seq_len", "vocab",
             "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant")
     return tuple((k, d[k] if isinstance(d[k], (str, int, float, type(None))) else id(d[k]))
-                 for k in keep)
+                 for k in keep) + (_target(cfg),)
 
 
 def _traced(cfg):

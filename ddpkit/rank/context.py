@@ -40,10 +40,11 @@ class Context:
 
     @classmethod
     def from_env(cls, seed=0, backend=None, device=None):
-        """A Context for a process started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK set);
-        ``backend`` and ``device`` as in `ddpkit.launch`."""
+        """A Context for a process started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) or by
+        srun with RANK and WORLD_SIZE set (the local rank and count then come from SLURM's
+        variables); ``backend`` and ``device`` as in `ddpkit.launch`."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        local = devices.local_rank(rank)  # LOCAL_RANK, or SLURM_LOCALID under srun
         here = devices.local_world_size(world)
         # the choice a spawned run of this machine's ranks gets, so every rank agrees on it
         backend, kind = devices.resolve_devices(here, backend, device)
