@@ -233,6 +233,13 @@ class TrainConfig:
         """The checkpoint setting as its value type (`CheckpointSetting`)."""
         return CheckpointSetting.of(self.checkpoint, self.n_blocks)
 
+    def checkpoint_policy(self, setting=None):
+        """The `CheckpointPolicy` of ``setting`` (a `CheckpointSetting`; this config's when not
+        given), checkpointing this config's way (use_reentrant, preserve_rng_state)."""
+        setting = self.checkpointing if setting is None else setting
+        return setting.build(use_reentrant=self.use_reentrant,
+                             preserve_rng_state=self.preserve_rng_state)
+
     def _check_devices(self):
         # under torchrun the world spans machines: this machine runs only its own ranks
         here = local_world_size(self.world_size) if under_torchrun() else self.world_size
@@ -286,8 +293,8 @@ class TrainConfig:
                 args += [flag, str(value).lower()]
             elif isinstance(value, bool):
                 args.append(flag if value else "--no-" + name.replace("_", "-"))
-            elif isinstance(value, list):  # trailing comma: a list even of one block
-                args += [flag, ",".join("1" if b else "0" for b in value) + ","]
+            elif name == "checkpoint":  # the setting's one text form
+                args += [flag, str(self.checkpointing)]
             else:
                 args += [flag, str(value)]
         return args

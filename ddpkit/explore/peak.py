@@ -50,7 +50,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..engine import memory, strategies
 from ..engine.memory import PHASES, optimizer_tensors, storages
-from ..engine.policies import CheckpointPolicy
 from ..engine.probes import ActivationProbe
 from ..engine.spec import build_model
 from ..engine.step import train_step, zero_grad
@@ -294,7 +293,7 @@ def simulate(cfg, rank=0, steps=2):
             live, _watch_storage_resizes(live), _mark_fsdp_collectives(live), \
             _skip_dtensor_meta(live):
         model = build_model(cfg)[0].train()
-        CheckpointPolicy.from_config(cfg).apply(model, cfg.blocks_path)
+        cfg.checkpoint_policy().apply(model, cfg.blocks_path)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
             mesh_ready = _premade_mesh(wrap_cfg, ctx)
         wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False, mesh=mesh_ready)

@@ -19,8 +19,11 @@ block alone checkpointed, minus the step with none), a selective mask costs
 
 * activations after forward: ``A(none) - sum(keeps_i - boundary_i for checkpointed i)``
   (exact: the saved storages of one block do not depend on another block's checkpointing);
-* the backward's activation peak: the larger of that and, for each checkpointed block, what
-  the blocks before it hold plus its own inside, which comes back while its backward runs;
+* the backward's activation peak: the larger of that and, for each checkpointed region (a
+  segment of one or more blocks, recomputed at once), what the blocks before it hold plus the
+  whole inside of its blocks, which comes back while its backward runs (the blocks after it
+  are freed by then; the head's tensors are counted as still held): so the peak grows with a
+  segment's length, as ``checkpoint_sequential``'s does;
 * FLOPs: ``F(none) + sum(recompute_i for checkpointed i)``.
 
 The masks on the Pareto frontier of (FLOPs, activation peak) are enumerated exactly (every mask
@@ -37,6 +40,7 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
+from ..engine.policies import CheckpointSetting
 from .units import GIB, KIB, MIB, TIB, fmt_bytes
 
 # usable memory per GPU: the card's memory less what the CUDA context and the caching allocator
@@ -158,6 +162,8 @@ class Choice:
     states: int
     flops: int
     flops_ratio: float
+    setting: object = field(default=None, repr=False, compare=False)
+    """The `CheckpointSetting` (its regions: an int setting's segments are several blocks)."""
     placed: int = 0
     """The step peak placed from the simulated step without checkpointing (the search's key)."""
     peak: object = None
@@ -170,7 +176,7 @@ class Choice:
     @property
     def checkpoint(self):
         """The setting for TrainConfig.checkpoint (None when nothing is checkpointed)."""
-        return list(self.mask) if any(self.mask) else None
+        return (self.setting or CheckpointSetting.from_mask(self.mask)).plain
 
 
 @dataclass
@@ -204,8 +210,7 @@ class Plan:
         """The frontier: each mask's activations, placed step peak and FLOP ratio."""
         import pandas as pd
 
-        return pd.DataFrame([dict(checkpointed=sum(c.mask),
-                                  mask="".join("1" if b else "0" for b in c.mask),
+        return pd.DataFrame([dict(checkpointed=sum(c.mask), mask=str(CheckpointSetting.from_mask(c.mask)),
                                   activation_bytes=c.activations, peak_bytes=c.total,
                                   simulated=c.peak is not None, flops_ratio=round(c.flops_ratio, 4),
                                   chosen=self.choice is not None and c.mask == self.choice.mask)
@@ -239,29 +244,46 @@ def _figures(cfg):
 
     est = estimate(cfg.replace(checkpoint=None))
     n = cfg.n_blocks
-    base_flops = traced_flops(cfg, None)
+    base_flops = traced_flops(cfg, CheckpointSetting(None, n))
     recompute, by_signature = [], {}
     for i, b in enumerate(est.blocks):
         sig = (b.keeps, b.boundary, b.flops)  # identical blocks recompute identically
         if sig not in by_signature:
-            alone = [j == i for j in range(n)]
+            alone = CheckpointSetting.from_mask([j == i for j in range(n)])
             by_signature[sig] = traced_flops(cfg, alone) - base_flops
         recompute.append(by_signature[sig])
     return _Blocks([b.keeps - b.boundary for b in est.blocks], [b.keeps for b in est.blocks],
                    recompute, est.activations, base_flops, est.params + est.grads + est.optimizer)
 
 
-def _choice(fig, mask):
-    acts = fig.base_acts - sum(s for s, on in zip(fig.saves, mask) if on)
-    # backward runs the blocks last to first: when block i is recomputed, the blocks after it
-    # have been freed, and its inside comes back on top of what the blocks before it hold
-    peak, after = acts, 0
-    for i in reversed(range(len(mask))):
-        if mask[i]:
-            peak = max(peak, acts - after + fig.saves[i])
-        after += fig.keeps[i] - (fig.saves[i] if mask[i] else 0)  # what block i holds
-    flops = fig.base_flops + sum(r for r, on in zip(fig.recompute, mask) if on)
-    return Choice(tuple(mask), acts, peak, fig.states, flops, flops / fig.base_flops)
+def _choice(fig, setting, flops=None):
+    """What ``setting`` (a `CheckpointSetting`) costs: each checkpointed segment one region.
+    ``flops``: the step's counted FLOPs when known (else the sum of the blocks' recomputes)."""
+    mask, regions = setting.mask, setting.regions
+    # a region keeps its first block's input (its boundary) in place of all its blocks' insides
+    freed = {a: sum(fig.keeps[a:b]) - (fig.keeps[a] - fig.saves[a]) for a, b in regions}
+    acts = fig.base_acts - sum(freed.values())
+    # backward runs the regions last to first: when one is recomputed, the blocks after it have
+    # been freed, and its blocks' whole inside comes back on top of what the blocks before hold
+    peak, after, stop = acts, 0, len(mask)
+    for a, b in reversed(regions):
+        after += sum(fig.keeps[b:stop])  # the plain blocks between this region and the next
+        peak = max(peak, acts - after + freed[a])
+        after += fig.keeps[a] - fig.saves[a]  # what the region held: its boundary
+        stop = a
+    if flops is None:
+        flops = fig.base_flops + sum(r for r, on in zip(fig.recompute, mask) if on)
+    return Choice(tuple(mask), acts, peak, fig.states, flops, flops / fig.base_flops, setting)
+
+
+def cost(cfg, setting=None):
+    """`Choice` of ``setting`` (a `CheckpointSetting`; the config's when not given): activation
+    bytes after forward, the step's activation peak (a checkpointed segment's recompute brings
+    its whole inside back at once), model states, and the step's FLOPs, counted."""
+    from .estimate import traced_flops
+
+    setting = cfg.checkpointing if setting is None else setting
+    return _choice(_figures(cfg), setting, traced_flops(cfg, setting))
 
 
 def _place(choice, fig, unchecked):
@@ -269,7 +291,7 @@ def _place(choice, fig, unchecked):
     forward peaks with its saved activations (lower by what the mask saves), the backward
     with its activation peak (lower by as much), the optimizer step as it was."""
     by = unchecked.by_phase
-    none = _choice(fig, (False,) * len(fig.saves))
+    none = _choice(fig, CheckpointSetting(None, len(fig.saves)))
     choice.placed = max(by.get("forward", 0) - (none.activations - choice.activations),
                         by.get("backward", 0) - (none.peak_activations - choice.peak_activations),
                         by.get("optimizer", 0))
@@ -331,11 +353,13 @@ def plan(cfg, memory_budget):
     budget = _budget(memory_budget)
     fig = _figures(cfg)
     unchecked = _peak(cfg.replace(checkpoint=None))
-    front = frontier(_place(_choice(fig, m), fig, unchecked) for m in _masks(fig))
+    front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m)), fig, unchecked)
+                     for m in _masks(fig))
     optimizer = unchecked.by_phase.get("optimizer", 0)
     if optimizer > budget:
-        reason = (f"the step peaks in the optimizer step ({fmt_bytes(optimizer)}: parameters, gradients, "
-                  f"optimizer state and the update's temporaries, with DDP's buckets), which "
+        reason = (f"the step peaks in the optimizer step ({fmt_bytes(optimizer)}: parameters, "
+                  f"gradients, optimizer state and the update's temporaries, with DDP's buckets), "
+                  f"which "
                   f"checkpointing cannot lower: it frees activations, and those are gone by then")
         return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
     for c in front:  # cheapest first; simulate those placed within the budget
