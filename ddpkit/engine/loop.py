@@ -6,6 +6,7 @@ records, ``ctx.sync_controls`` for settings changed mid-run). One record per opt
 """
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from . import saving, strategies
 from .data import RankBatches, make_dataset
 from .policies import CheckpointPolicy
-from .memory import PeakProbe
+from .memory import PeakProbe, cuda_history
 from .probes import ActivationProbe, StepTimer, state_bytes
 from .spec import build_model
 from .step import train_step, zero_grad
@@ -88,7 +89,12 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         skip_sync = cfg.no_sync and not (cfg.static_graph and step == 0)
         watch = peak.step(model, optimizer, comm.bucket_buffers if comm else None,
                           acts if probe_acts else None) if probe_peak else nullcontext()
-        with timer.time(), watch:
+        history = nullcontext()
+        if cfg.memory_snapshot and ctx.device.type == "cuda" and step == first + 1:
+            os.makedirs(cfg.memory_snapshot, exist_ok=True)
+            history = cuda_history(os.path.join(cfg.memory_snapshot,
+                                                f"rank{ctx.rank}-step{step}.pickle"))
+        with timer.time(), watch, history:
             loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
                               precision=cfg.precision, device=ctx.device, scaler=scaler,
                               activation_probe=acts if probe_acts else None, inner=model,
