@@ -106,6 +106,11 @@ class TrainConfig:
     profiler window, which roughly doubles that one step's time; 1 probes every step. Activation
     bytes are measured at the first step, every peak_every steps and at a change, and each
     record carries the last measurement (they depend only on the setting and the batch shapes)."""
+    memory_snapshot: str | None = None
+    """A folder: on CUDA, step 1 (the steady state) runs with the caching allocator's history
+    recorded, written as ``rank{r}-step1.pickle`` for https://pytorch.org/memory_viz (each
+    block, its size and the stack that made it). CUDA only: on CPU the peak's ledger says what
+    the peak is made of."""
     stall_timeout_s: float = 120.0
     extra: dict = field(default_factory=dict, repr=False)
     """Free-form tags carried into results (not used by the engine)."""
@@ -247,6 +252,11 @@ class TrainConfig:
         if self.precision == "fp16" and device != "cuda":
             raise ValueError("TrainConfig.precision='fp16' needs CUDA (GradScaler on CPU is a "
                              "no-op); on CPU pass precision='bf16' or 'fp32'")
+        if self.memory_snapshot and device != "cuda":
+            raise ValueError(f"TrainConfig.memory_snapshot={self.memory_snapshot!r}: the "
+                             f"allocator history is CUDA's; this run is on {device}, where each "
+                             f"probed step's peak_ledger says what the peak is made of: pass "
+                             f"memory_snapshot=None")
         if self.precision == "bf16" and device == "cuda":
             check_bf16(here)
         if self.comm_hook == "bf16" and backend != "nccl":

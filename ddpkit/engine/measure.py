@@ -20,8 +20,9 @@ Make it before the model is built: the peak probe counts what is allocated after
 from __future__ import annotations
 
 import contextlib
+import os
 
-from .memory import PeakProbe
+from .memory import PeakProbe, cuda_history
 from .probes import ActivationProbe, StepTimer, state_bytes
 
 STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
@@ -82,8 +83,16 @@ class Measure:
             acts.new_step()
         peak = self.peak.step(model, optimizer, self.comm.bucket_buffers if self.comm else None,
                               acts) if self._peak else contextlib.nullcontext()
-        with self.timer.time(), peak:
+        with self.timer.time(), peak, self._history(step):
             yield acts
+
+    def _history(self, step):
+        """``TrainConfig.memory_snapshot``: the allocator's history of step 1, on CUDA."""
+        folder = self.cfg.memory_snapshot
+        if not (folder and self.cuda and step == self.first + 1):
+            return contextlib.nullcontext()
+        os.makedirs(folder, exist_ok=True)
+        return cuda_history(os.path.join(folder, f"rank{self.rank}-step{step}.pickle"))
 
     def read(self, model, optimizer):
         """The step's measured fields for its record (call before ``zero_grad``)."""

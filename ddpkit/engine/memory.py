@@ -347,6 +347,19 @@ class PeakProbe:
         return Peak(by_phase[phase], phase, ledger, by_phase, exact_ledger=False)
 
 
+@contextlib.contextmanager
+def cuda_history(path):
+    """The CUDA caching allocator's history of what runs inside (every allocation and free,
+    with Python and C++ stacks), written to ``path``: a pickle that
+    https://pytorch.org/memory_viz draws (``TrainConfig.memory_snapshot``)."""
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def _index_at(times, t):
     """Index of the last event at or before time ``t``."""
     import bisect

@@ -29,8 +29,13 @@ Where the simulation is not the rank's code, it says so here, each with why the 
 * ``find_unused_parameters``/``static_graph`` are simulated off: the reducer reads its
   used-parameter map as data. They add one int per parameter.
 * A CUDA rank is simulated on CPU fake tensors (the CPU build cannot run CUDA kernels, not even
-  fake ones): every size is rounded up to the caching allocator's 512-byte blocks, and the
-  optimizer runs torch's foreach implementation, its default on CUDA.
+  fake ones): every size is rounded up to the caching allocator's 512-byte blocks; attention
+  keeps what the CUDA kernel the rank would pick keeps (`attention.on_cuda`); the optimizer
+  runs torch's foreach implementation, its default on CUDA; and cuBLAS's workspaces, which
+  torch allocates through the caching allocator on a thread's first matmul and keeps, are in
+  the ledger's "other" (`cublas_workspaces`). These CUDA figures are read from torch's sources,
+  not measured here (no GPU): ``bench/gpu_check.sh`` compares them with
+  ``max_memory_allocated`` the day one is lent.
 """
 from __future__ import annotations
 
@@ -277,8 +282,11 @@ def simulate(cfg, rank=0, steps=2):
     from ..engine.data import first_batch, make_dataset
     from .estimate import _as_real_for_transformers
 
+    from .estimate import _on_device, _target
+
     _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     cuda = device == "cuda"
+    target = _target(cfg) if cuda else None
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
     wrap_cfg = cfg.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
                            device="cpu", backend="gloo", precision="fp32" if cfg.precision ==
@@ -308,8 +316,10 @@ def simulate(cfg, rank=0, steps=2):
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
-            peaks.append(_one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets,
-                                   _as_real_for_transformers(real_batch)))
+            with _on_device(target):
+                peak = _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets,
+                                 _as_real_for_transformers(real_batch))
+            peaks.append(_with_workspaces(peak, target))
             zero_grad(optimizer)
         loads = _loads(optimizer, model, cfg.world_size)
     return Simulation(rank, peaks, loads)
@@ -331,6 +341,33 @@ def _loads(optimizer, model, world_size):
         else:
             numel = [n + p.numel() for n in numel]
     return numel
+
+
+def cublas_workspaces(target):
+    """Bytes of cuBLAS workspace a CUDA rank's step holds: one per (thread, stream) that runs a
+    matmul (the forward on the rank's thread, the backward on autograd's device thread), each
+    ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` in KiB, summed) or torch's default: 4096 KiB
+    x 8 on compute capability 9.0 and up, else 4096 KiB x 2 + 16 KiB x 8
+    (``CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``)."""
+    import os
+    import re
+
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":(\d+):(\d+)", config or "")
+    if pairs:
+        each = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    else:
+        each = 4096 * 1024 * 8 if target.capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 2 * each
+
+
+def _with_workspaces(peak, target):
+    if target is None or peak is None:
+        return peak
+    extra = cublas_workspaces(target)
+    ledger = {**peak.ledger, "other": peak.ledger["other"] + extra}
+    return memory.Peak(peak.bytes + extra, peak.phase, ledger,
+                       {p: b + extra for p, b in peak.by_phase.items()})
 
 
 def _premade_mesh(cfg, ctx):
