@@ -20,6 +20,7 @@ from .lab_config import ConfigSync
 from .lab_follow import RunFollower
 from .lab_runs import LabRunner
 from .lab_view import LabView
+from .peak_panel import PeakPanel
 from .plots import LivePlots
 
 
@@ -42,11 +43,13 @@ class Lab:
         self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz, ema=ema)
         # a budget or a GPU in: the block toggles set to the plan, through this Lab's `set`
         self.planner = PlanPanel(self)
+        self.peaks = PeakPanel()  # beside the memory plot: each rank's peak, and its ledger
+        self.plots.place(self.peaks.widget, after=self.plots.memory)
         self.view = LabView(self.cfg, self.plots, self.planner)
         self.sync = ConfigSync(self.view, self.cfg, lambda: self.running,
                                lambda **kw: self._handle.send_control(**kw))
         self.runner = LabRunner(self.view)
-        self.follower = RunFollower(self.view, self.plots, self.history)
+        self.follower = RunFollower(self.view, self.plots, self.history, self.peaks)
         v = self.view  # the widgets people and tests reach through the Lab
         self.controls, self.block_toggles, self.widget = v.controls, v.block_toggles, v.widget
         self.run_button, self.stop_button, self.progress = v.run_button, v.stop_button, v.progress
@@ -129,6 +132,7 @@ class Lab:
         self.plots.new_run(cfg.world_size, label=f"run {len(self.history)}", n_blocks=cfg.n_blocks,
                            predict=lambda rec: activation_bytes(
                                cfg, CheckpointSetting.of(rec["checkpoint"], cfg.n_blocks)))
+        self.peaks.new_run(cfg)
         self.view.set_running(True)
         self.follower.clock()
         self._handle = self.runner.train(cfg, self._on_metric, self.follower.on_output)
