@@ -278,12 +278,15 @@ def _choice(fig, setting, flops=None):
 
 def cost(cfg, setting=None):
     """`Choice` of ``setting`` (a `CheckpointSetting`; the config's when not given): activation
-    bytes after forward, the step's activation peak (a checkpointed segment's recompute brings
-    its whole inside back at once), model states, and the step's FLOPs, counted."""
+    bytes after forward, the backward's activation peak (a checkpointed segment's recompute
+    brings its whole inside back at once), model states, the step's FLOPs, counted, and its
+    simulated step peak (``total``)."""
     from .estimate import traced_flops
 
     setting = cfg.checkpointing if setting is None else setting
-    return _choice(_figures(cfg), setting, traced_flops(cfg, setting))
+    choice = _choice(_figures(cfg), setting, traced_flops(cfg, setting))
+    choice.peak = _peak(cfg.replace(checkpoint=setting.plain))
+    return choice
 
 
 def _place(choice, fig, unchecked):
