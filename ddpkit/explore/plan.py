@@ -5,11 +5,13 @@ Every answer is about the step's **peak** per rank (`ddpkit.explore.peak`: the r
 simulated on fake tensors; every live byte at the highest moment of forward, backward and
 optimizer step, DDP's buckets included), never about a sum of parts.
 
-Checkpointing lowers only what the forward saves for backward. So `plan` reads first where the
-peak of the step without checkpointing is: when it is in the optimizer step (with AdamW it
-often is: parameters, gradients, DDP's bucket copy of them, two moments and the update's
-temporaries), no checkpoint choice can lower it, and the plan says so and lists, each with its
-predicted peak, what can: ``gradient_as_bucket_view=True`` (the gradients live in DDP's
+Checkpointing lowers only what the forward saves for backward. So `plan` first simulates the
+step with every block checkpointed, the fewest activations any choice keeps: when even that
+step peaks above the budget, and at the height of the step without checkpointing, the peak is
+where no activations are left to free (in the optimizer step, or at the end of the backward;
+with AdamW it often is: parameters, gradients, DDP's bucket copy of them, two moments and the
+update's temporaries). No checkpoint choice can lower it: the plan says so and lists, each with
+its predicted peak, what can: ``gradient_as_bucket_view=True`` (the gradients live in DDP's
 buckets: one copy fewer), ZeRO-1, FSDP, a smaller micro-batch with more accumulation.
 
 Otherwise the choice is searched on the per-block trade-off. From the estimate's per-block
@@ -39,6 +41,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from ..engine.memory import TIE
 from ..engine.policies import CheckpointSetting
 from .gpus import (ALLOCATOR_RESERVE, CUDA_CONTEXT, GPUS, budget_bytes, gpu_name,  # noqa: F401
                    parse_bytes, usable_bytes)
@@ -276,13 +279,11 @@ def plan(cfg, memory_budget):
     unchecked = _peak(cfg.replace(checkpoint=None))
     front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m)), fig, unchecked)
                      for m in _masks(fig))
-    optimizer = unchecked.by_phase.get("optimizer", 0)
-    if optimizer > budget:
-        reason = (f"the step peaks in the optimizer step ({fmt_bytes(optimizer)}: parameters, "
-                  f"gradients, optimizer state and the update's temporaries, with DDP's buckets), "
-                  f"which "
-                  f"checkpointing cannot lower: it frees activations, and those are gone by then")
-        return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
+    # every block checkpointed keeps the fewest activations: what checkpointing can reach
+    lowest = unchecked if not front[1:] else _peak(cfg.replace(checkpoint="full"))
+    if min(lowest.bytes, unchecked.bytes) > budget:
+        return Plan(budget, None, front, _alternatives(cfg, budget), cfg,
+                    _out_of_reach(unchecked, lowest), unchecked)
     for c in front:  # cheapest first; simulate those placed within the budget
         if c.placed <= budget:
             c.peak = _peak(cfg.replace(checkpoint=c.checkpoint))
@@ -291,6 +292,18 @@ def plan(cfg, memory_budget):
     reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
               f"{fmt_bytes(min(c.total for c in front))})")
     return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
+
+
+def _out_of_reach(unchecked, lowest):
+    """Why no checkpoint choice fits: the peak is where no activations are left to free (it
+    does not move with checkpointing), or it moves, but not far enough."""
+    if lowest.bytes >= unchecked.bytes * (1 - TIE):
+        return (f"the step peaks where no activations are left to free (in the "
+                f"{lowest.phase}, {fmt_bytes(lowest.bytes)}: parameters, gradients, optimizer "
+                f"state, DDP's buckets and temporaries), which checkpointing cannot lower: it "
+                f"frees activations, and those are gone by then")
+    return (f"with every block checkpointed the step still peaks at {fmt_bytes(lowest.bytes)} "
+            f"in the {lowest.phase}: no checkpoint choice brings it within the budget")
 
 
 def _alternatives(cfg, budget):
