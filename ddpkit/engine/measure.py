@@ -104,7 +104,8 @@ class Measure:
         if self._peak and self.peak.peak is not None:
             p = self.peak.peak
             out.update(peak_bytes=p.bytes, peak_phase=p.phase, peak_ledger=p.ledger,
-                       peak_by_phase=p.by_phase, data_bytes=self.peak.data_bytes)
+                       peak_by_phase=p.by_phase, peak_base=p.base,
+                       data_bytes=self.peak.data_bytes)
         if self.comm is not None:
             out.update(allreduce_calls=self.comm.calls, allreduce_bytes=self.comm.bytes)
         return out

@@ -148,6 +148,40 @@ def prepare_for_training(model):
     return notes
 
 
+def fake_model(cfg, mode, keep=None):
+    """The config's model on fake tensors of ``mode``: nothing allocated, nothing initialised.
+    Built on the meta device (weights' values never change what a step saves or allocates, and
+    some initialisers read data that a fake tensor has not), cut to its first ``keep`` blocks
+    when asked (the estimate at real sizes traces a few and scales), then each parameter and
+    buffer given fake storage, shared ones (tied weights) once, in training mode and with
+    `prepare_for_training`'s changes, as the ranks build it."""
+    from .blocks import resolve_blocks
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = build_model(cfg)[0]
+    if keep is not None:
+        del resolve_blocks(model, cfg.blocks_path)[keep:]
+    made = {}
+
+    def fake(t):  # keyed by the meta tensor itself: a parameter and its data are two objects
+        key = ("t", id(t))
+        if key not in made:
+            made[key] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        return made[key]
+
+    with mode:
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                    module._parameters[name] = made[id(p)]
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = fake(b)
+    return model.train()
+
+
 # ----------------------------------------------------------------------------- the loss
 def compute_loss(model, batch, loss_fn=None):
     """One micro-batch's scalar loss, by ``loss_fn`` or the conventions; errors name ``loss=``."""

@@ -43,8 +43,11 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..engine import memory, strategies
 from ..engine.memory import optimizer_tensors, storages
 from ..engine.probes import ActivationProbe
-from ..engine.spec import build_model
+from ..engine.blocks import resolve_blocks
+from ..engine.policies import CheckpointSetting
+from ..engine.spec import fake_model
 from ..engine.step import train_step, zero_grad
+from . import scale
 from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
                         watch_storage_resizes)
 
@@ -63,6 +66,7 @@ class LiveStorages(TorchDispatchMode):
         self.total, self.phase, self.fsdp = 0, None, False
         self.ignore = False  # inside DTensor's sharding propagation (see `skip_dtensor_meta`)
         self.forward_ends = []  # event index at the end of each forward
+        self.points = []        # (event index, name): where the blocks' forward/backward begin, end
         self._refs = {}
 
     def _size(self, nbytes):
@@ -107,6 +111,9 @@ class LiveStorages(TorchDispatchMode):
                 self.add(t.untyped_storage())
         return out
 
+    def point(self, name):
+        self.points.append((len(self.events), name))
+
     @contextlib.contextmanager
     def mark(self, name):
         """`train_step`'s phase marks."""
@@ -128,11 +135,16 @@ class Simulation:
     rank: int
     peaks: list
     loads: list
+    segments: list = dataclasses.field(default_factory=list, repr=False)
+    """Per step, {segment: (highest bytes, ledger then)}: the step cut where the blocks' forward
+    ends and their backward begins and ends (`scale.py` extrapolates these in the block count)."""
+    how: str = "simulated"
+    """'simulated' (the whole model) or 'scaled from 2 and 3 blocks' (`scale.py`)."""
 
 
-def simulate(cfg, rank=0, steps=2):
+def simulate(cfg, rank=0, steps=2, keep=None):
     """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
-    `Simulation`."""
+    `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     from ..devices import resolve_devices
@@ -154,11 +166,15 @@ def simulate(cfg, rank=0, steps=2):
     mode = FakeTensorMode()
     template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                         real_batch)
+    model = fake_model(cfg, mode, keep)
+    blocks = resolve_blocks(model, cfg.blocks_path)
+    setting = CheckpointSetting.of(cfg.checkpoint, len(blocks))
     with _LOCK, fake_world(rank, cfg.world_size), torch.random.fork_rng(devices=[]), mode, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live):
-        model = build_model(cfg)[0].train()
-        cfg.checkpoint_policy().apply(model, cfg.blocks_path)
+        for t in (*model.parameters(), *model.buffers()):  # made before the tracking began
+            live.add(t.untyped_storage())
+        cfg.checkpoint_policy(setting).apply(model, cfg.blocks_path)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
             mesh_ready = _premade_mesh(wrap_cfg, ctx)
         wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False, mesh=mesh_ready)
@@ -168,18 +184,48 @@ def simulate(cfg, rank=0, steps=2):
             for group in optimizer.param_groups:
                 if "foreach" in group:
                     group["foreach"] = True
-        peaks = []
+        peaks, segments = [], []
+        hooks = _watch_blocks(live, blocks)
         for step in range(steps):
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
             with _on_device(target):
-                peak = _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets,
-                                 _as_real_for_transformers(real_batch))
-            peaks.append(_with_workspaces(peak, target))
+                peak, cut = _one_step(cfg, step, live, model, wrapped, optimizer, batches,
+                                      buckets, _as_real_for_transformers(real_batch))
+            extra = cublas_workspaces(target) if target is not None else 0
+            peaks.append(_plus(peak, extra))
+            segments.append({k: (v + extra, {**ledger, "other": ledger["other"] + extra})
+                             for k, (v, ledger) in cut.items()})
             zero_grad(optimizer)
+        for h in hooks:
+            h.remove()
         loads = _loads(optimizer, model, cfg.world_size)
-    return Simulation(rank, peaks, loads)
+    return Simulation(rank, peaks, loads, segments)
+
+
+def _first_tensor(values):
+    return next((t for t in tree_leaves(values) if isinstance(t, torch.Tensor)), None)
+
+
+def _watch_blocks(live, blocks):
+    """Points in the step where the blocks' forward ends (the last block's forward returns) and
+    their backward begins (the gradient of the last block's output arrives) and ends (the
+    gradient of the first block's input)."""
+    def after_last(module, args, out):
+        if live.phase != "forward":
+            return  # a checkpointed block run again inside the backward
+        live.point("blocks_forward_done")
+        t = _first_tensor(out)
+        if t is not None and t.requires_grad:
+            t.register_hook(lambda g: live.point("blocks_backward_start"))
+
+    def before_first(module, args, kwargs):
+        t = _first_tensor((args, kwargs))
+        if live.phase == "forward" and t is not None and t.requires_grad:
+            t.register_hook(lambda g: live.point("blocks_backward_end"))
+    return [blocks[-1].register_forward_hook(after_last),
+            blocks[0].register_forward_pre_hook(before_first, with_kwargs=True)]
 
 
 def _loads(optimizer, model, world_size):
@@ -218,10 +264,10 @@ def cublas_workspaces(target):
     return 2 * each
 
 
-def _with_workspaces(peak, target):
-    if target is None or peak is None:
+def _plus(peak, extra):
+    """``peak`` with ``extra`` bytes of "other" at every moment (cuBLAS's workspaces)."""
+    if not extra or peak is None:
         return peak
-    extra = cublas_workspaces(target)
     ledger = {**peak.ledger, "other": peak.ledger["other"] + extra}
     return memory.Peak(peak.bytes + extra, peak.phase, ledger,
                        {p: b + extra for p, b in peak.by_phase.items()})
@@ -237,7 +283,7 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
               "gradients": storages((p.grad for p in model.parameters()), by="impl"),
               "optimizer_state": storages(optimizer_tensors(optimizer), by="impl")}
     base = live.total
-    live.forward_ends = []
+    live.forward_ends, live.points = [], []
     acts = ActivationProbe()
     acts.new_step()
     with real_transformers:
@@ -255,7 +301,31 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
     seen += [("ddp_buckets", key, end) for key in census["ddp_buckets"]]
     for keys, index in zip(acts.saved_keys, live.forward_ends):
         seen += [("activations", key, index - start) for key in keys]
-    return memory.summarize(live.events[start:], live.totals[start:], base, census, seen)
+    events, totals = live.events[start:], live.totals[start:]
+    peak = memory.summarize(events, totals, base, census, seen)
+    points = [(i - start, name) for i, name in live.points]
+    return peak, _segments(events, totals, points, memory.Ledger(
+        [e[:3] for e in events], base, census, seen))
+
+
+_AFTER = {"blocks_forward_done": "forward_head", "blocks_backward_start": "backward_blocks",
+          "blocks_backward_end": "backward_stem"}
+_FIRST = {"forward": "forward_blocks", "backward": "backward_head", "optimizer": "optimizer"}
+
+
+def _segments(events, totals, points, ledger):
+    """{segment: (highest total, ledger then)}: each phase cut at the blocks' points."""
+    best, segment, phase, p = {}, None, None, 0
+    for i, (event, total) in enumerate(zip(events, totals)):
+        if event[3] != phase:  # a new phase (or a new micro-step's): its first segment
+            phase = event[3]
+            segment = _FIRST.get(phase)
+        while p < len(points) and points[p][0] <= i:
+            segment = _AFTER.get(points[p][1], segment) if phase in _FIRST else segment
+            p += 1
+        if segment is not None and total > best.get(segment, (-1,))[0]:
+            best[segment] = (total, i)
+    return {name: (total, ledger.at(i)) for name, (total, i) in best.items()}
 
 
 # ----------------------------------------------------------------------------- memoised answers
@@ -279,7 +349,7 @@ def simulated(cfg, rank):
         hit = _MEMO.get(key)
     if hit is not None and hit[0].model is cfg.model and hit[0].data is cfg.data:
         return hit[1]
-    sim = simulate(cfg, rank)
+    sim = scale.scaled(simulate, cfg, rank) if scale.scalable(cfg) else simulate(cfg, rank)
     with _MEMO_LOCK:
         if len(_MEMO) > 64:
             _MEMO.clear()
