@@ -139,7 +139,7 @@ class Simulation:
     """Per step, {segment: (highest bytes, ledger then)}: the step cut where the blocks' forward
     ends and their backward begins and ends (`scale.py` extrapolates these in the block count)."""
     how: str = "simulated"
-    """'simulated' (the whole model) or 'scaled from 2 and 3 blocks' (`scale.py`)."""
+    """'simulated' (the whole model) or 'scaled from 3 and 4 blocks' (`scale.py`)."""
 
 
 def simulate(cfg, rank=0, steps=2, keep=None):
@@ -149,13 +149,12 @@ def simulate(cfg, rank=0, steps=2, keep=None):
 
     from ..devices import resolve_devices
     from ..engine.data import first_batch, make_dataset
-    from .estimate import _as_real_for_transformers
 
-    from .estimate import _on_device, _target
+    from .trace import as_real_for_transformers, on_device, run_target
 
     _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     cuda = device == "cuda"
-    target = _target(cfg) if cuda else None
+    target = run_target(cfg) if cuda else None
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
     wrap_cfg = cfg.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
                            device="cpu", backend="gloo", precision="fp32" if cfg.precision ==
@@ -190,9 +189,9 @@ def simulate(cfg, rank=0, steps=2, keep=None):
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
-            with _on_device(target):
+            with on_device(target):
                 peak, cut = _one_step(cfg, step, live, model, wrapped, optimizer, batches,
-                                      buckets, _as_real_for_transformers(real_batch))
+                                      buckets, as_real_for_transformers(real_batch))
             extra = cublas_workspaces(target) if target is not None else 0
             peaks.append(_plus(peak, extra))
             segments.append({k: (v + extra, {**ledger, "other": ledger["other"] + extra})
