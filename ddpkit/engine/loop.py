@@ -86,7 +86,8 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         skip_sync = cfg.no_sync and not (cfg.static_graph and step == 0)
         with measure.step(step, changed, model, optimizer) as acts:
             loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
-                              precision=cfg.precision, device=ctx.device, scaler=scaler,
+                              precision=strategies.autocast_precision(cfg), device=ctx.device,
+                              scaler=scaler,
                               activation_probe=acts, inner=model, scheduler=scheduler,
                               loss_fn=cfg.loss_fn, phase=measure.phase)
         record = dict(step=step, loss=loss, step_time_s=measure.seconds,

@@ -148,13 +148,14 @@ def prepare_for_training(model):
     return notes
 
 
-def fake_model(cfg, mode, keep=None):
+def fake_model(cfg, mode, keep=None, dtype=None):
     """The config's model on fake tensors of ``mode``: nothing allocated, nothing initialised.
     Built on the meta device (weights' values never change what a step saves or allocates, and
     some initialisers read data that a fake tensor has not), cut to its first ``keep`` blocks
     when asked (the estimate at real sizes traces a few and scales), then each parameter and
     buffer given fake storage, shared ones (tied weights) once, in training mode and with
-    `prepare_for_training`'s changes, as the ranks build it."""
+    `prepare_for_training`'s changes, as the ranks build it. ``dtype``: floating parameters and
+    buffers in that dtype (FSDP's mixed precision computes with them so)."""
     from .blocks import resolve_blocks
 
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
@@ -166,7 +167,8 @@ def fake_model(cfg, mode, keep=None):
     def fake(t):  # keyed by the meta tensor itself: a parameter and its data are two objects
         key = ("t", id(t))
         if key not in made:
-            made[key] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            made[key] = torch.empty_strided(t.shape, t.stride(), dtype=want, device="cpu")
         return made[key]
 
     with mode:

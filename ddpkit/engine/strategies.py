@@ -23,19 +23,42 @@ def optimizer_class(cfg):
     return torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
 
 
-def wrap(cfg, model, ctx, count_comm=True, mesh=None):
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_dtype(cfg, precision=None):
+    """The dtype FSDP's mixed precision computes in (its ``param_dtype``), or None: ``"fsdp"``
+    with bf16/fp16 runs as practitioners run FSDP2 (torchtitan, Lightning, accelerate):
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, each block's parameters
+    gathered in bf16 and its gradients reduced in fp32, no autocast. (Autocast over FSDP's
+    fp32 parameters would keep a bf16 copy of every gathered weight for backward, on every
+    rank: the sharding undone.)"""
+    precision = precision or cfg.precision
+    return PARAM_DTYPES.get(precision) if cfg.strategy == "fsdp" else None
+
+
+def autocast_precision(cfg):
+    """The precision `train_step`'s autocast runs: DDP autocasts (what DDP users run); FSDP's
+    mixed precision casts the parameters itself, so its forward runs without autocast."""
+    return "fp32" if mixed_dtype(cfg) is not None else cfg.precision
+
+
+def wrap(cfg, model, ctx, count_comm=True, mesh=None, precision=None):
     """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy. ``mesh``: FSDP's
-    device mesh, if made already (the estimate makes it outside FakeTensorMode)."""
+    device mesh, if made already (the estimate makes it outside FakeTensorMode); ``precision``:
+    the run's, when ``cfg`` is a copy for another device (the estimate's)."""
     if cfg.strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from .blocks import resolve_blocks
 
         mesh = mesh or fsdp_mesh(ctx.device.type)
-
+        dtype = mixed_dtype(cfg, precision)
+        mp = {} if dtype is None else dict(mp_policy=MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32))
         for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **mp)
+        fully_shard(model, mesh=mesh, **mp)
         return model, optimizer_class(cfg)(model.parameters(), lr=cfg.lr), None
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
               static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,

@@ -192,8 +192,12 @@ def _attention_bytes(cfg):
 
 def _by_formula(cfg):
     """Does the first-principles formula cover cfg? The built-in models, unless CUDA would run
-    the GPT's attention on its math kernel."""
-    return cfg.builtin and (cfg.model == "mlp" or _attention_bytes(cfg) is not None)
+    the GPT's attention on its math kernel, or FSDP's mixed precision computes in bf16/fp16
+    (traced instead)."""
+    from ..engine.strategies import mixed_dtype
+
+    return cfg.builtin and mixed_dtype(cfg) is None and \
+        (cfg.model == "mlp" or _attention_bytes(cfg) is not None)
 
 
 def optimizer_bytes(cfg, n_params):

@@ -85,6 +85,11 @@ class LiveStorages(TorchDispatchMode):
         self._refs[key] = (weakref.ref(storage, functools.partial(self._gone, key)), size)
         self._log(size, key)
 
+    def adopt(self, tensors):
+        """Track storages made before the mode was entered (the model's)."""
+        while tensors:
+            self.add(tensors.pop().untyped_storage())
+
     def _gone(self, key, _ref):
         entry = self._refs.pop(key, None)
         if entry is not None:
@@ -157,8 +162,7 @@ def simulate(cfg, rank=0, steps=2, keep=None):
     target = run_target(cfg) if cuda else None
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
     wrap_cfg = cfg.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
-                           device="cpu", backend="gloo", precision="fp32" if cfg.precision ==
-                           "fp16" else cfg.precision)
+                           device="cpu", backend="gloo", precision="fp32")
     real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
     ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
     live = LiveStorages(CUDA_BLOCK if cuda else 1)
@@ -171,12 +175,14 @@ def simulate(cfg, rank=0, steps=2, keep=None):
     with _LOCK, fake_world(rank, cfg.world_size), torch.random.fork_rng(devices=[]), mode, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live):
-        for t in (*model.parameters(), *model.buffers()):  # made before the tracking began
-            live.add(t.untyped_storage())
+        # made before the tracking began (no name left holding the last of them: FSDP frees
+        # the originals once sharded, and so must the simulation)
+        live.adopt([*model.parameters(), *model.buffers()])
         cfg.checkpoint_policy(setting).apply(model, cfg.blocks_path)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
             mesh_ready = _premade_mesh(wrap_cfg, ctx)
-        wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False, mesh=mesh_ready)
+        wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False,
+                                                mesh=mesh_ready, precision=cfg.precision)
         buckets = watch_buckets(wrapped, cfg)
         gc.collect()  # fake tensors sit in reference cycles: what a rank frees at once, now
         if cuda:  # torch's default on CUDA: the foreach implementation
@@ -288,7 +294,7 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
     with real_transformers:
         train_step(wrapped, optimizer, batches, accum_steps=cfg.accum_steps,
                    no_sync=cfg.no_sync and not (cfg.static_graph and step == 0),
-                   precision="fp32" if cfg.precision == "fp16" else cfg.precision, device="cpu",
+                   precision=strategies.autocast_precision(cfg), device="cpu",
                    activation_probe=acts, inner=model, loss_fn=cfg.loss_fn, phase=live.mark,
                    read_loss=False)
     end = len(live.events) - start

@@ -27,6 +27,7 @@ import threading
 
 import torch
 
+from ..engine import strategies
 from ..engine.policies import CheckpointSetting
 from . import attention
 from .scale import SCALE_ABOVE
@@ -55,9 +56,13 @@ class Traced:
         self.mode = FakeTensorMode()
         self.lock, self.memo = threading.RLock(), {}
         real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
-        self.model = fake_model(cfg, self.mode, keep)
+        # FSDP's mixed precision computes with bf16 parameters and casts float inputs to bf16
+        dtype = strategies.mixed_dtype(cfg)
+        self.model = fake_model(cfg, self.mode, keep, dtype)
+        cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
         self.batch = torch.utils._pytree.tree_map(
-            lambda t: self.mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, real_batch)
+            lambda t: self.mode.from_tensor(cast(t)) if isinstance(t, torch.Tensor) else t,
+            real_batch)
         self.blocks = resolve_blocks(self.model, cfg.blocks_path)
         self.block_names = block_names(cfg.blocks_path, range(self.n))
         self._per_block()
@@ -90,7 +95,8 @@ class Traced:
         with self.lock:
             self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
             with self.mode, as_real_for_transformers(self.batch), probe.forward(self.model), \
-                    autocast_for(self.cfg.precision, "cpu"), on_device(self.target):
+                    autocast_for(strategies.autocast_precision(self.cfg), "cpu"), \
+                    on_device(self.target):
                 compute_loss(self.model, self.batch, self.cfg.loss_fn)
         self.memo[key] = probe.bytes
         return probe.bytes
@@ -237,7 +243,7 @@ def _trace_key(cfg):
     keep = ("model", "data", "loss", "blocks", "n_blocks", "width", "mlp_ratio", "seq_len", "vocab",
             "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant")
     return tuple((k, d[k] if isinstance(d[k], (str, int, float, type(None))) else id(d[k]))
-                 for k in keep) + (run_target(cfg),)
+                 for k in keep) + (run_target(cfg), str(strategies.mixed_dtype(cfg)))
 
 
 def traced(cfg, keep="auto"):
