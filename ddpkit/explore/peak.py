@@ -153,9 +153,8 @@ def simulate(cfg, rank=0, steps=2, keep=None):
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     from ..devices import resolve_devices
-    from ..engine.data import first_batch, make_dataset
 
-    from .trace import as_real_for_transformers, on_device, run_target
+    from .trace import as_real_for_transformers, example_batch, on_device, run_target
 
     _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     cuda = device == "cuda"
@@ -163,7 +162,7 @@ def simulate(cfg, rank=0, steps=2, keep=None):
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
     wrap_cfg = cfg.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
                            device="cpu", backend="gloo", precision="fp32")
-    real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
+    real_batch = example_batch(cfg)
     ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
     live = LiveStorages(CUDA_BLOCK if cuda else 1)
     mode = FakeTensorMode()

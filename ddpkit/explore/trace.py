@@ -48,14 +48,13 @@ class Traced:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from ..engine.blocks import block_names, resolve_blocks
-        from ..engine.data import first_batch, make_dataset
         from ..engine.spec import fake_model
 
         self.cfg, self.keep, self.n = cfg, keep, cfg.n_blocks
         self.target = run_target(cfg)  # a CUDA run: attention keeps what its CUDA kernel keeps
         self.mode = FakeTensorMode()
         self.lock, self.memo = threading.RLock(), {}
-        real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
+        real_batch = example_batch(cfg)
         # FSDP's mixed precision computes with bf16 parameters and casts float inputs to bf16
         dtype = strategies.mixed_dtype(cfg)
         self.model = fake_model(cfg, self.mode, keep, dtype)
@@ -244,6 +243,27 @@ def _trace_key(cfg):
             "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant")
     return tuple((k, d[k] if isinstance(d[k], (str, int, float, type(None))) else id(d[k]))
                  for k in keep) + (run_target(cfg), str(strategies.mixed_dtype(cfg)))
+
+
+_BATCHES = {}
+_BATCHES_LOCK = threading.Lock()  # its own: `traced` builds a Traced (which asks) under _TRACES_LOCK
+
+
+def example_batch(cfg):
+    """One micro-batch of ``cfg``'s data, as the ranks collate it (kept: a long synthetic
+    sequence takes a while to make, and the estimate and the simulation both want one)."""
+    from ..engine.data import first_batch, make_dataset
+
+    key = _trace_key(cfg)
+    with _BATCHES_LOCK:
+        hit = _BATCHES.get(key)
+    if hit is None or hit[0].model is not cfg.model or hit[0].data is not cfg.data:
+        hit = (cfg, first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch)))
+        with _BATCHES_LOCK:
+            if len(_BATCHES) > 16:
+                _BATCHES.clear()
+            _BATCHES[key] = hit
+    return hit[1]
 
 
 def traced(cfg, keep="auto"):
