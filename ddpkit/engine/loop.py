@@ -16,6 +16,7 @@ from .policies import CheckpointPolicy
 from .probes import ActivationProbe, PeakProbe, StepTimer, state_bytes
 from .spec import build_model
 from .step import train_step, zero_grad
+from .timeline import TimelineProbe
 
 
 def _lr_lambda(warmup):
@@ -33,7 +34,12 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
     # the order that works for DDP and FSDP alike: checkpointing first, then wrap (strategies)
     CheckpointPolicy.from_config(cfg).apply(model, cfg.blocks_path)
     probes = cfg.probes
-    wrapped, optimizer, comm = strategies.wrap(cfg, model, ctx, count_comm="comm" in probes)
+    # [timeline] rows of what each probed step did, and the simulated link (engine/timeline.py)
+    timeline = TimelineProbe.from_config(cfg, ctx)
+    wrapped, optimizer, comm = strategies.wrap(cfg, model, ctx, count_comm="comm" in probes,
+                                               watch=timeline.watch if timeline else None)
+    if timeline:
+        timeline.attach(wrapped)  # collective: aligns the ranks' clocks
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup_steps))
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
     fsdp = cfg.strategy == "fsdp"
@@ -80,7 +86,8 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         # static_graph + no_sync() on the very first iteration trips an internal assert in
         # DDP's reducer (a known torch bug): the first step syncs every micro-batch instead
         skip_sync = cfg.no_sync and not (cfg.static_graph and step == 0)
-        with timer.time(), (peak.step(model, optimizer) if probe_peak else nullcontext()):
+        with timer.time(), (peak.step(model, optimizer) if probe_peak else nullcontext()), \
+                (timeline.step(step, model, optimizer) if timeline else nullcontext()):
             loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
                               precision=cfg.precision, device=ctx.device, scaler=scaler,
                               activation_probe=acts if probe_acts else None, inner=model,
@@ -100,6 +107,8 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
             record["peak_bytes"] = peak.peak_bytes
         if comm:
             record.update(allreduce_calls=comm.calls, allreduce_bytes=comm.bytes)
+        if timeline:
+            record.update(timeline.record_fields())  # [timeline]
         zero_grad(optimizer)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             # collective: every rank writes its part, `latest` moves after a barrier

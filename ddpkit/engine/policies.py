@@ -143,6 +143,10 @@ def parse_setting(text):
     return text if text == "full" else ast.literal_eval(text)
 
 
+def _region_name(start, stop):
+    return f"block {start}" if stop == start + 1 else f"blocks {start}-{stop - 1}"
+
+
 def _tensors(args, kwargs):
     return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
 
@@ -160,6 +164,7 @@ class CheckpointPolicy:
         self.on_segment_input = None  # probe hook: called with each checkpointed region's input
         self.whole_segments = False   # set by apply: did a container take the segments over?
         self._in_region = False       # a container region is running its blocks' own forwards
+        self.on_region = None  # timeline probe: (fn, name) -> fn, timing each region's runs
 
     @classmethod
     def from_config(cls, cfg, setting="config"):
@@ -181,18 +186,20 @@ class CheckpointPolicy:
             for t in tensors:  # kept alive for the recompute: count them
                 self.on_segment_input(t)
 
-    def _region(self, fn, args, kwargs):
+    def _region(self, fn, args, kwargs, name="region"):
         self._report(_tensors(args, kwargs))
+        if self.on_region is not None:  # the timeline: a run inside backward is the recompute
+            fn = self.on_region(fn, name)
         if self.use_reentrant and kwargs:  # the reentrant variant takes positional inputs only
             fn, kwargs = functools.partial(fn, **kwargs), {}
         return _checkpoint(fn, *args, use_reentrant=self.use_reentrant,  # always explicit
                            preserve_rng_state=self.preserve_rng_state, **kwargs)
 
-    def _block_forward(self, inner):
+    def _block_forward(self, inner, name="block"):
         def forward(*args, **kwargs):
             if self._in_region:  # the container's region runs it: no region of its own
                 return inner(*args, **kwargs)
-            return self._region(inner, args, kwargs)
+            return self._region(inner, args, kwargs, name)
         return forward
 
     def _sequence_forward(self, seq):
@@ -208,7 +215,8 @@ class CheckpointPolicy:
         def forward(h):
             for start, stop, on in self.segments:
                 if on:
-                    h = self._region(functools.partial(run, start, stop), (h,), {})
+                    h = self._region(functools.partial(run, start, stop), (h,), {},
+                                     _region_name(start, stop))
                 else:
                     for i in range(start, stop):
                         h = seq[i](h)
@@ -227,9 +235,10 @@ class CheckpointPolicy:
                              f"{len(container)}")
         remove(model, container)
         mask = self.setting.mask
-        for block, on in zip(container, mask):
+        for i, (block, on) in enumerate(zip(container, mask)):
             if on:
-                block.forward = self._block_forward(type(block).forward.__get__(block))
+                block.forward = self._block_forward(type(block).forward.__get__(block),
+                                                    _region_name(i, i + 1))
         self.whole_segments = isinstance(container, nn.Sequential) and any(mask)
         if self.whole_segments:
             # used only if the model calls the Sequential as a whole; a model that loops over

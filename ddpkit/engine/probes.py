@@ -15,7 +15,7 @@
   the step where DDP rebuilds its buckets); and buffers that live across steps without being
   parameters, gradients or optimizer state (DDP's gradient buckets) are not in the base.
 * `CommCounter`: a DDP communication hook that wraps the default all-reduce and counts calls and
-  bytes.
+  bytes; the timeline (``timeline.py``) watches each call through it.
 * `count_flops`: FLOPs of a callable via ``FlopCounterMode``: noise-free, unlike a clock.
 """
 from __future__ import annotations
@@ -163,10 +163,11 @@ class CommCounter:
     registers the hook. ``compress``: torch's fp16/bf16 compression hook to wrap instead of the
     plain all-reduce (each element then travels as 2 bytes)."""
 
-    def __init__(self, compress=None):
+    def __init__(self, compress=None, watch=None):
         self.calls = 0
         self.bytes = 0
         self.compress = compress
+        self.watch = watch  # (bucket, nbytes, launch) -> future: the timeline's observer
 
     def reset(self):
         self.calls = self.bytes = 0
@@ -176,10 +177,13 @@ class CommCounter:
         buf = bucket.buffer()
         state.calls += 1
         if state.compress is not None:
-            state.bytes += buf.numel() * 2
-            return state.compress(None, bucket)
-        state.bytes += buf.numel() * buf.element_size()
-        return default_hooks.allreduce_hook(None, bucket)  # None: the default process group
+            nbytes = buf.numel() * 2
+            launch = lambda: state.compress(None, bucket)  # noqa: E731
+        else:
+            nbytes = buf.numel() * buf.element_size()
+            launch = lambda: default_hooks.allreduce_hook(None, bucket)  # noqa: E731 (None: the default group)
+        state.bytes += nbytes
+        return launch() if state.watch is None else state.watch(bucket, nbytes, launch)
 
     def install(self, ddp_model):
         ddp_model.register_comm_hook(self, CommCounter._hook)

@@ -37,6 +37,32 @@ class TrainResult:
         """Medians over steps (after the first, which pays one-off costs) of rank 0."""
         return summarize(self.metrics)
 
+    # --- [timeline] what DDP did in each probed step (explore/timeline.py)
+    @property
+    def timeline(self):
+        """A pandas DataFrame, one row per event per rank on the probed steps
+        (``TrainConfig.timeline_every``): ``rank, step, micro_step, kind, name, start_s,
+        end_s, bytes`` (and ``bucket``); kinds forward, backward, recompute, allreduce,
+        optimizer; seconds on one clock shared by the ranks."""
+        from .timeline import timeline_frame
+
+        return timeline_frame(self.metrics)
+
+    def overlap(self):
+        """One row per rank and probed step: ``compute_s``, ``comm_s``, ``exposed_comm_s``
+        (all-reduce time with no compute under it) and ``overlap`` (hidden fraction, 0..1)."""
+        from .timeline import overlap
+
+        return overlap(self.timeline)
+
+    @property
+    def ddp_stats(self):
+        """DDP's own runtime statistics (``_get_ddp_logging_data()``) per rank and synced
+        iteration, on the timeline's clock: what `timeline` is checked against."""
+        from .timeline import ddp_frame
+
+        return ddp_frame(self.metrics)
+
     def __repr__(self):
         s = self.summary()
         return (f"TrainResult(steps={self.config.steps}, world_size={self.config.world_size}, "
