@@ -114,10 +114,11 @@ class TrainConfig:
     profiler window, which roughly doubles that one step's time; 1 probes every step. Activation
     bytes are measured at the first step, every peak_every steps and at a change, and each
     record carries the last measurement (they depend only on the setting and the batch shapes)."""
-    timeline_every: int = 10
+    timeline_every: int = 50
     """Record a timeline (forward and backward per block, recompute, each bucket's all-reduce,
     the optimizer) on steps every-1, 2*every-1, ... (1: every step; 0: off); `TrainResult.
-    timeline`. Hooks are installed for those steps only."""
+    timeline`. Hooks are installed for those steps only; a probed step costs a few percent
+    more, so 1 in 50 keeps the median step within bench/overhead.py's 1.03x."""
     link_gbps: float | None = None
     """A **simulated** network: each bucket's all-reduce finishes no sooner than a ring
     all-reduce over links of this many Gbit/s would (2(N-1)/N x bytes; buckets one after

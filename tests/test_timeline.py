@@ -224,3 +224,30 @@ def test_timeline_off_records_nothing_and_the_cli_takes_the_knobs(pool):
     cfg = _config_from(args)
     assert (cfg.bucket_cap_mb, cfg.link_gbps, cfg.timeline_every) == (2.5, 10.0, 5)
     assert "--link-gbps 10.0" in " ".join(cfg.to_cli())
+
+
+def test_the_lab_draws_the_last_probed_step_at_most_once_a_second():
+    cfg = ddpkit.TrainConfig(model="mlp", n_blocks=4, width=64, world_size=2, micro_batch=4,
+                             steps=400, timeline_every=5, **CPU)
+    with ddpkit.Lab(cfg, display=False) as lab:
+        lab.set(bucket_cap_mb=0.25, link_gbps=1.0)  # the slider and the link, as a person would
+        assert (lab.config().bucket_cap_mb, lab.config().link_gbps) == (0.25, 1.0)
+        lab.set(link_gbps=0.0)
+        assert lab.config().link_gbps is None and lab.config().bucket_cap_mb == 0.25
+        lab.run()
+        assert lab.controls["bucket_cap_mb"].disabled  # a new DDP wrapper: fixed mid-run
+        row = lab.wait(timeout=180)
+        assert row["status"] == "ok"
+        assert 1 <= lab.timeline.redraws <= row["wall_s"] + 2
+        bars = [t for t in lab.timeline.lanes.data if len(t.x)]
+        assert {t.name for t in bars} >= {"forward", "backward", "all-reduce", "optimizer"}
+        lanes = {y for t in bars for y in t.y}
+        assert {0, -3} <= lanes  # both ranks' compute lanes
+        assert lab.timeline.lanes.layout.title.text == "step 399: what each rank did"
+        exposed = lab.timeline.exposed.data[0]
+        assert list(exposed.x) == list(range(4, 400, 5))  # every probed step, once
+        lab.set(link_gbps=1.0)
+        lab.run()
+        lab.wait(timeout=180)
+        assert "SIMULATED link: 1 Gbit/s" in lab.timeline.lanes.layout.title.text
+        assert "SIMULATED" in lab.timeline.exposed.layout.title.text

@@ -3,6 +3,7 @@
 `api.py` (`train`, `sweep`, `TrainResult`: checks, then a launch of `engine.loop.train_rank`) ·
 `estimate.py` (predicted bytes per rank, traced under FakeTensorMode) · `plan.py` (a checkpoint
 choice under a memory budget) · `units.py` (byte units) · `widgets.py` (the `Lab`) · `plots.py`
-(live figures) · `plan_panel.py` (the Lab's planner box) · `demo.py` (``ddpkit demo``: a sweep
+(live figures) · `timeline.py` (the timeline's DataFrames, exposed communication, swimlane
+figures) · `plan_panel.py` (the Lab's planner box) · `demo.py` (``ddpkit demo``: a sweep
 written as an HTML report).
 """

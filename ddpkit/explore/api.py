@@ -55,6 +55,14 @@ class TrainResult:
 
         return overlap(self.timeline)
 
+    def swimlanes(self, step=None):
+        """A plotly figure of one probed step (the last by default): one lane per rank with
+        forward, backward per block, recompute and the optimizer, and each bucket's
+        all-reduce; a simulated link is named in its title."""
+        from .timeline import link_label, swimlane_figure
+
+        return swimlane_figure(self.timeline, step, link_label(self.config))
+
     @property
     def ddp_stats(self):
         """DDP's own runtime statistics (``_get_ddp_logging_data()``) per rank and synced

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from numbers import Integral
 
 from .plots import COLORS
 
@@ -174,7 +175,7 @@ def swimlane_traces(timeline, step=None):
 
 
 def _title(kind, link):
-    sim = f" · all-reduce over a SIMULATED link ({link})" if link else ""
+    sim = f"<br><sup>all-reduces over a SIMULATED link: {link}</sup>" if link else ""
     return kind + sim
 
 
@@ -206,11 +207,12 @@ def exposed_figure(over, link=None):
     import plotly.graph_objects as go
 
     fig = go.Figure(layout=_exposed_layout(link))
-    for r, g in over.groupby("rank"):
-        c = COLORS[int(r) % len(COLORS)]
-        fig.add_scatter(x=g.step, y=1e3 * g.exposed_comm_s, name=f"exposed r{r}",
+    for k, (r, g) in enumerate(over.groupby("rank", sort=False)):  # or any label of runs
+        c, label = COLORS[k % len(COLORS)], f"r{r}" if isinstance(r, Integral) else str(r)
+        g = g.groupby("step", as_index=False)[["exposed_comm_s", "comm_s"]].median()
+        fig.add_scatter(x=g.step, y=1e3 * g.exposed_comm_s, name=f"exposed {label}",
                         mode="lines+markers", line=dict(color=c, width=2))
-        fig.add_scatter(x=g.step, y=1e3 * g.comm_s, name=f"all-reduce r{r}",
+        fig.add_scatter(x=g.step, y=1e3 * g.comm_s, name=f"all-reduce {label}",
                         mode="lines", line=dict(color=c, width=1, dash="dot"))
     return fig
 
@@ -223,6 +225,37 @@ def _exposed_layout(link, height=330):
                 yaxis=dict(title=dict(text="ms", standoff=4), rangemode="tozero"),
                 legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=11)),
                 margin=dict(t=80, b=44, l=56, r=16))
+
+
+BUCKET_MIB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+LINKS = (("loopback (real)", 0.0), ("100 Gbit/s (simulated)", 100.0),
+         ("10 Gbit/s (simulated)", 10.0), ("1 Gbit/s (simulated)", 1.0))
+
+
+def timeline_controls(cfg, style, layout):
+    """The Lab's controls for the knobs the timeline shows: DDP's bucket size (0: torch's
+    default) and the simulated link (0: the real transport). They only edit the config."""
+    import ipywidgets as W
+
+    caps = [("torch default", 0.0)] + [(f"{v:g}", float(v)) for v in BUCKET_MIB]
+    if cfg.bucket_cap_mb and float(cfg.bucket_cap_mb) not in dict(caps).values():
+        caps.append((f"{cfg.bucket_cap_mb:g}", float(cfg.bucket_cap_mb)))
+    links = list(LINKS)
+    if cfg.link_gbps and float(cfg.link_gbps) not in dict(links).values():
+        links.append((f"{cfg.link_gbps:g} Gbit/s (simulated)", float(cfg.link_gbps)))
+    return {"bucket_cap_mb": W.SelectionSlider(options=caps, value=float(cfg.bucket_cap_mb or 0),
+                                               description="bucket MiB", style=style,
+                                               layout=layout()),
+            "link_gbps": W.Dropdown(options=links, value=float(cfg.link_gbps or 0),
+                                    description="link", style=style, layout=layout())}
+
+
+def link_label(cfg):
+    """'1 Gbit/s, 0 us latency' for a config with a simulated link, else None."""
+    if cfg.link_gbps is None and not cfg.link_latency_us:
+        return None
+    bw = f"{cfg.link_gbps:g} Gbit/s" if cfg.link_gbps else "unlimited bandwidth"
+    return f"{bw}, {cfg.link_latency_us:g} us latency"
 
 
 class LiveTimeline:

@@ -23,6 +23,7 @@ from ..config import PRECISIONS, TrainConfig
 from ..errors import RankError, RankStalled
 from .estimate import activation_bytes, estimate
 from .plots import LivePlots
+from .timeline import LiveTimeline, link_label, timeline_controls
 from .units import fmt_bytes
 from ..engine.policies import CheckpointSetting
 
@@ -45,6 +46,7 @@ class Lab:
         self._pool = self._handle = self._refresher = None
         self._syncing = False
         self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz, ema=ema)
+        self.timeline = LiveTimeline(self.cfg.world_size, max_hz=1.0)  # [timeline] swimlanes
         self._build()
         self._read_config(self.cfg)
         self._update_estimate()
@@ -83,6 +85,7 @@ class Lab:
             "no_sync": W.Checkbox(c.no_sync, description="no_sync", indent=False),
             "steps": W.BoundedIntText(c.steps, 1, 100_000, description="steps", style=style,
                                       layout=full()),
+            **timeline_controls(c, style, full),  # [timeline] bucket size, simulated link
         }
         # one toggle per block the config found in the model (its full module name as tooltip)
         self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint {name}",
@@ -141,7 +144,7 @@ class Lab:
         main = W.Box([left, right], layout=W.Layout(display="flex", flex_flow="row wrap",
                                                     align_items="flex-start", width="100%",
                                                     grid_gap="8px"))
-        self.widget = W.VBox([self.banner, self.traceback, main, self._out_box,
+        self.widget = W.VBox([self.banner, self.traceback, main, self.timeline.widget, self._out_box,
                               self.history_html], layout=W.Layout(width="100%"))
         self.widget.add_class("ddpkit-lab")  # the browser test finds the lab by it
 
@@ -186,6 +189,7 @@ class Lab:
     def config(self):
         """The TrainConfig the controls describe (raises ValueError naming the field)."""
         v = {k: w.value for k, w in self.controls.items() if k != "segments"}
+        v.update({k: v[k] or None for k in ("bucket_cap_mb", "link_gbps")})  # 0: torch's/none
         return self.cfg.replace(checkpoint=self.checkpoint_setting(), **v)
 
     def _on_control(self, change):
@@ -281,6 +285,7 @@ class Lab:
         self.output.clear_output()
         self.plots.new_run(cfg.world_size, predict=lambda rec: activation_bytes(
             cfg, CheckpointSetting.parse(rec["checkpoint"], cfg.n_blocks).plain), label=f"run {len(self.history)}")
+        self.timeline.new_run(cfg.world_size, link_label(cfg))  # [timeline]
         self.progress.max, self.progress.value = cfg.steps, 0
         self._set_running(True)
         self._t0 = time.monotonic()
@@ -295,6 +300,7 @@ class Lab:
         self.metrics.append(record)
         self._rank0_steps += record["rank"] == 0
         self.plots.add(record)
+        self.timeline.add(record)  # [timeline]
 
     def _on_output(self, rank, line):
         self.output.append_stdout(f"[rank {rank}] {line}\n")
@@ -306,10 +312,12 @@ class Lab:
         while not handle.done:
             handle.join(period)
             # the progress bar and its label: twice a second is enough to read them
+            self.timeline.flush()  # [timeline] at most once a second
             if self.plots.flush(force=True) and time.monotonic() - shown >= 0.5:
                 self._update_progress(cfg)
                 shown = time.monotonic()
         self.plots.flush(force=True)
+        self.timeline.flush(force=True)  # [timeline]
         self.plots.sync()  # the figures' own state gets the points, for a re-rendered view
         self._update_progress(cfg)
         self._finish(cfg, handle)
@@ -375,7 +383,8 @@ class Lab:
                                    f"{rows}</table></div>")
 
     def _set_running(self, on):
-        for name in ("world_size", "precision", "micro_batch", "steps", "use_reentrant", "no_sync"):
+        for name in ("world_size", "precision", "micro_batch", "steps", "use_reentrant", "no_sync",
+                     "bucket_cap_mb", "link_gbps"):  # a new DDP wrapper: fixed mid-run
             w = self.controls[name]
             w.disabled = on
             w.tooltip = FIXED_TIP if on else ""

@@ -94,6 +94,23 @@ MARKS = """() => Array.from(document.querySelectorAll('.ddpkit-lab .js-plotly-pl
     .querySelectorAll('.annotation')).map(a => { const r = a.getBoundingClientRect();
     return [r.left, r.top, r.right, r.bottom]; })"""
 SIZES = [(1280, 800), (1920, 1080)]
+# the swimlane figure (issue #20): bars drawn for each rank, and every label of it (title, lane
+# names, legend, ticks) inside the figure's own box
+SWIMLANES = """() => {
+  const gd = document.querySelector('.ddpkit-lab .ddpkit-swimlanes.js-plotly-plot, ' +
+                                    '.ddpkit-lab .ddpkit-swimlanes .js-plotly-plot');
+  if (!gd) return {missing: true};
+  const box = gd.getBoundingClientRect(), bad = [];
+  for (const t of gd.querySelectorAll('.gtitle, .ytick text, .xtick text, .legendtext, .xtitle')) {
+    const r = t.getBoundingClientRect();
+    if (!r.width) continue;
+    if (r.left < box.left - 0.5 || r.right > box.right + 0.5 || r.top < box.top - 0.5 ||
+        r.bottom > box.bottom + 0.5) bad.push(['label outside the figure', t.textContent]);
+  }
+  const lanes = Array.from(gd.querySelectorAll('.ytick text')).map(t => t.textContent);
+  const bars = (gd.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0);
+  return {bad: bad, lanes: lanes, bars: bars, title: gd.layout.title.text};
+}"""
 
 
 def check_fits(page, tmp, size):
@@ -105,7 +122,7 @@ def check_fits(page, tmp, size):
     page.evaluate("() => document.querySelector('.ddpkit-lab .js-plotly-plot').scrollIntoView()")
     page.wait_for_timeout(300)
     fit = page.evaluate(FIT)
-    assert fit["plots"] == 3 and fit["checked"] > 10, fit
+    assert fit["plots"] == 5 and fit["checked"] > 10, fit  # 3 live plots, 2 timeline figures
     assert fit["bad"] == [], (size, fit["bad"])
     boxes = page.evaluate(MARKS)
     for i, a in enumerate(boxes):
@@ -115,8 +132,17 @@ def check_fits(page, tmp, size):
     path = tmp / f"lab-{w}x{h}.png"
     page.screenshot(path=str(path), timeout=90_000)
     assert path.stat().st_size > 10_000
-    if os.environ.get("DDPKIT_SCREENSHOT_DIR"):
-        shutil.copy(path, Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / path.name)
+    page.evaluate("() => document.querySelector('.ddpkit-lab .ddpkit-swimlanes').scrollIntoView()")
+    page.wait_for_timeout(300)
+    lanes = page.evaluate(SWIMLANES)
+    assert lanes.get("bad") == [] and lanes["bars"] > 20, (size, lanes)
+    assert lanes["lanes"] == ["rank 1 all-reduce", "rank 1 compute", "rank 0 all-reduce",
+                              "rank 0 compute"], lanes
+    swim = tmp / f"swimlanes-{w}x{h}.png"
+    page.locator(".ddpkit-lab .ddpkit-swimlanes").first.screenshot(path=str(swim), timeout=90_000)
+    for p in (path, swim):
+        if os.environ.get("DDPKIT_SCREENSHOT_DIR"):
+            shutil.copy(p, Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / p.name)
     return len(boxes)
 
 
