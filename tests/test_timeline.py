@@ -13,7 +13,8 @@ CPU = dict(backend="gloo", device="cpu")
 # 4 blocks of 2 MiB of weights each: 1 MiB buckets make about 9 of them
 BIG = dict(model="mlp", n_blocks=4, width=256, micro_batch=4, world_size=2, steps=4,
            timeline_every=1, **CPU)
-# tolerance of the cross-checks: 6 ms + 10% of the other reading. An all-reduce row ends in a
+# tolerance of the cross-checks: 6 ms + 10% of the other reading for a time stamp, twice that
+# for a duration (two stamps). An all-reduce row ends in a
 # Python callback on gloo's thread, which waits for the GIL while the rank's main thread runs
 # Python: up to the 5 ms switch interval (sys.getswitchinterval()), 3.8 ms seen. DDP stamps its
 # comm end in its finalizer after waiting on every bucket's future and copying the buckets back
@@ -28,8 +29,9 @@ def pool():
         yield p
 
 
-def close(a, b):
-    return abs(a - b) <= TOL_S + TOL_REL * abs(b)
+def close(a, b, stamps=1):
+    """Within the tolerance of ``stamps`` readings (a duration is two: twice the wait)."""
+    return abs(a - b) <= stamps * TOL_S + TOL_REL * abs(b)
 
 
 def blocks(tl, kind):
@@ -86,7 +88,8 @@ def test_timeline_agrees_with_ddps_runtime_statistics(small_buckets):
             assert row.comm_s <= row.ddp_comm_s + TOL_S, row
             assert row.ddp_comm_s - row.comm_s <= FINALIZER_S + TOL_REL * row.ddp_comm_s, row
         for ours, theirs in pairs:
-            assert close(getattr(row, ours), getattr(row, theirs)), (ours, row)
+            stamps = 1 if ours.endswith(("start_s", "end_s")) else 2
+            assert close(getattr(row, ours), getattr(row, theirs), stamps), (ours, row)
 
 
 def _profiled(ctx, cfg):
@@ -170,19 +173,25 @@ def test_checkpointing_replays_blocks_inside_backward(pool, reentrant):
 def test_a_slow_simulated_link_holds_each_allreduce_and_exposes_more(pool):
     cfg = ddpkit.TrainConfig(**{**BIG, "steps": 3}, bucket_cap_mb=1)
     exposed = {}
-    for gbps in (None, 2, 0.5):  # loopback on 2 busy cores is about as fast as 10 Gbit/s
+    # loopback on 2 busy cores is about as fast as 2 to 10 Gbit/s: slower links than that
+    for gbps in (None, 1, 0.25):
         res = ddpkit.train(cfg.replace(link_gbps=gbps), pool=pool)
         tl = res.timeline
         ar = tl[tl.kind == "allreduce"]
+        over = res.overlap().set_index(["rank", "step"])
         if gbps:
             ring = [ring_allreduce_s(b, 2, gbps) for b in ar["bytes"]]
             assert ((ar.end_s - ar.start_s).values >= ring).all()
             assert res.metrics[-1]["simulated_link"] == f"simulated link: {gbps} Gbit/s, 0 us latency"
-        exposed[gbps] = res.overlap().query("step >= 1").exposed_comm_s.median()
-    assert exposed[None] < exposed[2] < exposed[0.5], exposed
-    # 0.5 Gbit/s: 8.7 MB x 8 bits each step (138 ms), one bucket after another on the link;
-    # most of it comes after backward (the last buckets wait behind the first)
-    assert exposed[0.5] > 0.5 * 8.6e6 * 8 / 0.5e9
+            # the link needs the ring time of all the gradients from the first hand-over on:
+            # what backward does not cover after that first bucket is exposed
+            for (rank, step), g in tl[tl.step >= 1].groupby(["rank", "step"]):
+                a = g[g.kind == "allreduce"]
+                hidden = g[g.kind == "backward"].end_s.max() - a.start_s.min()
+                need = ring_allreduce_s(a["bytes"].sum(), 2, gbps)
+                assert over.loc[(rank, step)].exposed_comm_s >= need - hidden - 1e-3
+        exposed[gbps] = over.query("step >= 1").exposed_comm_s.median()
+    assert exposed[None] < exposed[1] < exposed[0.25], exposed
 
 
 def test_ring_time_is_the_textbook_formula():
@@ -249,5 +258,5 @@ def test_the_lab_draws_the_last_probed_step_at_most_once_a_second():
         lab.set(link_gbps=1.0)
         lab.run()
         lab.wait(timeout=180)
-        assert "SIMULATED link: 1 Gbit/s" in lab.timeline.lanes.layout.title.text
+        assert lab.timeline.lanes.layout.title.text.endswith("SIMULATED link 1 Gbit/s")
         assert "SIMULATED" in lab.timeline.exposed.layout.title.text

@@ -135,6 +135,10 @@ def rebuilt_buckets(ddp):
 
 
 # --------------------------------------------------------------------------- figures
+def _lanes_height(world_size):
+    return 150 + 95 * world_size
+
+
 def _lanes(world_size):
     ticks = [(-3 * r, f"rank {r} compute") for r in range(world_size)]
     ticks += [(-3 * r - 1, f"rank {r} all-reduce") for r in range(world_size)]
@@ -175,21 +179,25 @@ def swimlane_traces(timeline, step=None):
 
 
 def _title(kind, link):
-    sim = f"<br><sup>all-reduces over a SIMULATED link: {link}</sup>" if link else ""
+    sim = f" · SIMULATED link {link}" if link else ""
     return kind + sim
 
 
 def swimlane_layout(world_size, step, link=None, height=None):
     ticks = _lanes(world_size)
+    # the title at the top of the figure, the legend just above the plot: a legend that wraps
+    # to two rows on a narrow figure grows upwards into the margin, not over the title
     return dict(title=dict(text=_title(f"step {step}: what each rank did", link), x=0.01,
-                           xanchor="left", font=dict(size=14)),
+                           xanchor="left", y=0.99, yanchor="top", yref="container",
+                           font=dict(size=14)),
                 barmode="overlay", template="plotly_white", autosize=True,
-                height=height or 120 + 95 * world_size,
+                height=height or _lanes_height(world_size),
                 xaxis=dict(title=dict(text="ms since the step's first event", standoff=4)),
                 yaxis=dict(tickvals=[t for t, _ in ticks], ticktext=[n for _, n in ticks],
                            range=[-3 * world_size + 1.4, 0.6], automargin=True),
                 legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=11)),
-                margin=dict(t=80, b=44, l=10, r=16), uniformtext=dict(minsize=8, mode="hide"))
+                margin=dict(t=96, b=44, l=10, r=16),
+                uniformtext=dict(minsize=8, mode="hide"))
 
 
 def swimlane_figure(timeline, step=None, link=None):
@@ -219,12 +227,13 @@ def exposed_figure(over, link=None):
 
 def _exposed_layout(link, height=330):
     return dict(title=dict(text=_title("exposed communication per step", link), x=0.01,
-                           xanchor="left", font=dict(size=14)),
+                           xanchor="left", y=0.99, yanchor="top", yref="container",
+                           font=dict(size=14)),
                 template="plotly_white", autosize=True, height=height,
                 xaxis=dict(title=dict(text="optimizer step", standoff=4)),
                 yaxis=dict(title=dict(text="ms", standoff=4), rangemode="tozero"),
                 legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=11)),
-                margin=dict(t=80, b=44, l=56, r=16))
+                margin=dict(t=96, b=44, l=56, r=16))
 
 
 BUCKET_MIB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
@@ -251,11 +260,11 @@ def timeline_controls(cfg, style, layout):
 
 
 def link_label(cfg):
-    """'1 Gbit/s, 0 us latency' for a config with a simulated link, else None."""
+    """'1 Gbit/s' (', 5 µs' with a latency) for a config with a simulated link, else None."""
     if cfg.link_gbps is None and not cfg.link_latency_us:
         return None
-    bw = f"{cfg.link_gbps:g} Gbit/s" if cfg.link_gbps else "unlimited bandwidth"
-    return f"{bw}, {cfg.link_latency_us:g} us latency"
+    bw = f"{cfg.link_gbps:g} Gbit/s" if cfg.link_gbps else "no bandwidth limit"
+    return bw + (f", {cfg.link_latency_us:g} µs" if cfg.link_latency_us else "")
 
 
 class LiveTimeline:
@@ -327,6 +336,7 @@ class LiveTimeline:
             for t in traces:
                 self.lanes.add_trace(t)
             self.lanes.layout.title.text = _title(f"step {step}: what each rank did", self.link)
+            self.lanes.layout.height = _lanes_height(self.world_size)
         with self.exposed.batch_update():
             for r in range(self.world_size):
                 g = over[over["rank"] == r]

@@ -38,8 +38,10 @@ def jupyter(tmp_path):
     work.mkdir()
     shutil.copy(ROOT / "notebooks" / "08_lab.ipynb", work)
     port, token = free_port(), secrets.token_hex(16)
+    # `-m jupyterlab`, not `-m jupyter lab`: the latter runs the `jupyter-lab` script, whose
+    # shebang may name another environment's Python (a copied venv), and so its ddpkit
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--allow-root", "--no-browser", "--ip=127.0.0.1",
+        [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ip=127.0.0.1",
          f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
          "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "jupyter.log", "w"),
@@ -106,6 +108,12 @@ SWIMLANES = """() => {
     if (!r.width) continue;
     if (r.left < box.left - 0.5 || r.right > box.right + 0.5 || r.top < box.top - 0.5 ||
         r.bottom > box.bottom + 0.5) bad.push(['label outside the figure', t.textContent]);
+  }
+  const title = gd.querySelector('.gtitle'), legend = gd.querySelector('.legend .bg');
+  if (title && legend) {
+    const a = title.getBoundingClientRect(), b = legend.getBoundingClientRect();
+    if (Math.min(a.right, b.right) - Math.max(a.left, b.left) > 1 &&
+        Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 1) bad.push(['legend over the title']);
   }
   const lanes = Array.from(gd.querySelectorAll('.ytick text')).map(t => t.textContent);
   const bars = (gd.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0);
