@@ -125,6 +125,11 @@ class TrainConfig:
     another). None: as fast as the real transport (on one machine, loopback). Gloo only."""
     link_latency_us: float = 0.0
     """Latency of the simulated link per message, paid 2(N-1) times per ring all-reduce."""
+    memory_snapshot: str | None = None
+    """A folder: on CUDA, step 1 (the steady state) runs with the caching allocator's history
+    recorded, written as ``rank{r}-step1.pickle`` for https://pytorch.org/memory_viz (each
+    block, its size and the stack that made it). CUDA only: on CPU the peak's ledger says what
+    the peak is made of."""
     stall_timeout_s: float = 120.0
     extra: dict = field(default_factory=dict, repr=False)
     """Free-form tags carried into results (not used by the engine)."""
@@ -274,6 +279,13 @@ class TrainConfig:
         """The checkpoint setting as its value type (`CheckpointSetting`)."""
         return CheckpointSetting.of(self.checkpoint, self.n_blocks)
 
+    def checkpoint_policy(self, setting=None):
+        """The `CheckpointPolicy` of ``setting`` (a `CheckpointSetting`; this config's when not
+        given), checkpointing this config's way (use_reentrant, preserve_rng_state)."""
+        setting = self.checkpointing if setting is None else setting
+        return setting.build(use_reentrant=self.use_reentrant,
+                             preserve_rng_state=self.preserve_rng_state)
+
     def _check_devices(self):
         # under torchrun the world spans machines: this machine runs only its own ranks
         here = local_world_size(self.world_size) if under_torchrun() else self.world_size
@@ -281,6 +293,11 @@ class TrainConfig:
         if self.precision == "fp16" and device != "cuda":
             raise ValueError("TrainConfig.precision='fp16' needs CUDA (GradScaler on CPU is a "
                              "no-op); on CPU pass precision='bf16' or 'fp32'")
+        if self.memory_snapshot and device != "cuda":
+            raise ValueError(f"TrainConfig.memory_snapshot={self.memory_snapshot!r}: the "
+                             f"allocator history is CUDA's; this run is on {device}, where each "
+                             f"probed step's peak_ledger says what the peak is made of: pass "
+                             f"memory_snapshot=None")
         if self.precision == "bf16" and device == "cuda":
             check_bf16(here)
         if (self.link_gbps is not None or self.link_latency_us) and backend == "nccl":
@@ -332,8 +349,8 @@ class TrainConfig:
                 args += [flag, str(value).lower()]
             elif isinstance(value, bool):
                 args.append(flag if value else "--no-" + name.replace("_", "-"))
-            elif isinstance(value, list):  # trailing comma: a list even of one block
-                args += [flag, ",".join("1" if b else "0" for b in value) + ","]
+            elif name == "checkpoint":  # the setting's one text form
+                args += [flag, str(self.checkpointing)]
             else:
                 args += [flag, str(value)]
         return args
@@ -344,3 +361,64 @@ class TrainConfig:
         rdzv = "" if nnodes == 1 else " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500"
         return (f"torchrun --nnodes {nnodes} --nproc-per-node {nproc}{rdzv} -m ddpkit train "
                 + " ".join(self.to_cli())).rstrip()
+
+    def to_slurm(self, nodes, gpus_per_node, *, nproc_per_node=None, time="01:00:00",
+                 partition=None, account=None, job_name="ddpkit", port=29500, setup=None,
+                 json="ddpkit-$SLURM_JOB_ID.json"):
+        """An sbatch script that runs this config on ``nodes`` machines of a SLURM cluster, to
+        submit as is (``sbatch job.sh``): one task per node, each ``srun torchrun`` starting that
+        node's ranks (one per GPU; ``nproc_per_node`` on CPU nodes, ``gpus_per_node=0``), which
+        meet through torchrun's c10d rendezvous on the allocation's first node at ``port``.
+        ``setup``: shell lines run first (``"source .venv/bin/activate"``, ``module load``...);
+        ``json``: where global rank 0 writes the run's records (None: nowhere)."""
+        return _sbatch_script(self.to_cli(), nodes, gpus_per_node, nproc_per_node=nproc_per_node,
+                             time=time, partition=partition, account=account,
+                             job_name=job_name, port=port, setup=setup, json=json)
+
+
+def _sbatch_script(cli, nodes, gpus_per_node, nproc_per_node, time, partition, account, job_name,
+                   port, setup, json):
+    """`TrainConfig.to_slurm`'s script; each argument checked, naming the fix."""
+    def bad(name, value, fix):
+        raise ValueError(f"to_slurm({name}={value!r}): {fix}")
+
+    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "nodes"):
+            bad(name, value, f"pass a whole number{' >= 1' if name == 'nodes' else ' (0: CPU nodes)'}")
+    if nproc_per_node is None:
+        if gpus_per_node == 0:
+            bad("nproc_per_node", None, "CPU nodes (gpus_per_node=0) need the ranks per node: "
+                                        "pass nproc_per_node=2 or more")
+        nproc_per_node = gpus_per_node
+    elif isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or \
+            nproc_per_node < 1 or (gpus_per_node and nproc_per_node > gpus_per_node):
+        bad("nproc_per_node", nproc_per_node, "pass 1 or more ranks per node, at most "
+                                              "gpus_per_node (NCCL runs one process per GPU)")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535:
+        bad("port", port, "pass a free TCP port in 1024..65535 on the first node")
+    for name, value in (("time", time), ("partition", partition), ("account", account),
+                        ("job_name", job_name)):
+        if value is not None and (not isinstance(value, str) or not value
+                                  or any(c.isspace() or c in "'\"$`\\" for c in value)):
+            bad(name, value, "an #SBATCH value takes no spaces or quotes: pass e.g. "
+                             "time='02:00:00', partition='gpu', job_name='ddpkit-gpt'")
+    import shlex
+
+    lines = ["#!/bin/bash",
+             f"# ddpkit train on {nodes} node(s) x {nproc_per_node} rank(s): "
+             f"{nodes * nproc_per_node} ranks. Made by TrainConfig.to_slurm(); submit: sbatch <file>",
+             f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
+             "#SBATCH --ntasks-per-node=1",  # one torchrun per node; it starts the node's ranks
+             f"#SBATCH --time={time}", f"#SBATCH --output={job_name}-%j.out"]
+    if gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    lines += [f"#SBATCH --{k}={v}" for k, v in (("partition", partition), ("account", account)) if v]
+    # the set-up first: `module load` and some activate scripts read unset variables
+    lines += [*([setup] if setup else []), "set -euo pipefail",
+              "# torchrun's c10d rendezvous listens on the allocation's first node",
+              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
+    train = " ".join(shlex.quote(a) for a in cli) + (f' --json "{json}"' if json else "")
+    lines.append(f'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {nproc_per_node} '
+                 f'--rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head:{port}" '
+                 f"\\\n    -m ddpkit train {train}".rstrip())
+    return "\n".join(lines) + "\n"

@@ -16,7 +16,8 @@ The choices (torch 2.13's ``distributed/distributed_c10d.py`` backs each):
 * gloo on CPU where there is no usable GPU.
 
 Under torchrun (`under_torchrun`) the world spans machines: each machine chooses for the ranks it
-runs itself (`local_world_size`), so every rank of a machine makes the same choice.
+runs itself (`local_world_size`), so every rank of a machine makes the same choice. Under srun
+(SLURM) without torchrun, SLURM's variables say how many ranks run here where torch's are absent.
 """
 from __future__ import annotations
 
@@ -149,6 +150,35 @@ def under_torchrun():
 
 
 def local_world_size(world_size):
-    """How many of ``world_size`` ranks run on this machine: ``LOCAL_WORLD_SIZE`` where the
-    launcher set it (torchrun does: the world may span machines), else all of them."""
-    return min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    """How many of ``world_size`` ranks run on this machine: torch's ``LOCAL_WORLD_SIZE`` where
+    the launcher set it (torchrun does: the world may span machines); else SLURM's count of
+    tasks on this node, where srun started the process (a user's script sets RANK, WORLD_SIZE
+    and MASTER_ADDR from SLURM's variables, rarely LOCAL_WORLD_SIZE); else all of them."""
+    here = os.environ.get("LOCAL_WORLD_SIZE") or slurm_tasks_on_this_node()
+    return min(world_size, int(here or world_size))
+
+
+def local_rank(rank):
+    """This process's rank on its machine: torch's ``LOCAL_RANK``, else SLURM's
+    ``SLURM_LOCALID``, else the global ``rank`` (one machine)."""
+    return int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or rank)
+
+
+def slurm_tasks_on_this_node():
+    """The number of tasks SLURM runs on this node, or None outside SLURM.
+
+    ``SLURM_STEP_TASKS_PER_NODE`` (srun's own step) or ``SLURM_TASKS_PER_NODE`` (the job) list
+    every node's count in SLURM's compressed form, ``"4(x2),3"`` for 4, 4, 3, indexed by
+    ``SLURM_NODEID``; ``SLURM_NTASKS_PER_NODE`` (set only with ``--ntasks-per-node``) is one
+    number for all nodes."""
+    env = os.environ
+    listed = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if listed:
+        counts = []
+        for part in listed.split(","):
+            count, _, times = part.partition("(x")
+            counts += [int(count)] * int(times.rstrip(")") or 1)
+        node = int(env.get("SLURM_NODEID", 0))
+        if node < len(counts):
+            return counts[node]
+    return int(env["SLURM_NTASKS_PER_NODE"]) if env.get("SLURM_NTASKS_PER_NODE") else None

@@ -78,6 +78,22 @@ def test_ranks_share_gpus_round_robin_and_the_run_says_so(monkeypatch):
     assert devices.shared_note(2, "gloo", "cuda") is None  # one GPU each: nothing shared
 
 
+def test_the_shared_gpu_note_is_said_once_per_run_and_counted_whole(monkeypatch, capsys):
+    # tests/gpu counts the note itself: it says "share" twice, so counting the word fails
+    gpus(monkeypatch, 1)
+    note = devices.shared_note(2, "gloo", "cuda")
+    assert note.count("share") == 2
+    # real gloo ranks with the note switched on in this kernel: printed once per launch and
+    # once per pool (not per job, nor by the ranks, which start fresh without it)
+    monkeypatch.setattr(devices, "shared_note", lambda *args: note)
+    ddpkit.launch(gloo_timeout, world_size=2, backend="gloo", device="cpu")
+    assert capsys.readouterr().out.count(note) == 1
+    with ddpkit.Pool(world_size=2, backend="gloo", device="cpu") as pool:
+        pool.launch(gloo_timeout)
+        pool.launch(gloo_timeout)
+    assert capsys.readouterr().out.count(note) == 1
+
+
 @pytest.mark.parametrize("local_world, local_rank, want", [(2, 1, ("nccl", "cuda:1")),
                                                            (4, 3, ("gloo", "cuda:1"))])
 def test_torchrun_ranks_make_the_same_choice(monkeypatch, local_world, local_rank, want):
@@ -88,6 +104,49 @@ def test_torchrun_ranks_make_the_same_choice(monkeypatch, local_world, local_ran
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     ctx = Context.from_env()
     assert (ctx.backend, str(ctx.device)) == want
+
+
+SRUN_ENV = dict(  # what srun sets for task 5 of 8, 4 per node, plus the user's RANK/WORLD_SIZE
+    SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4", SLURM_TASKS_PER_NODE="4(x2)",
+    SLURM_STEP_TASKS_PER_NODE="4(x2)", SLURM_NODEID="1", SLURM_LOCALID="1", SLURM_PROCID="5",
+    RANK="5", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+def srun(monkeypatch, **env):
+    for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", *SRUN_ENV):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {**SRUN_ENV, **env}.items():
+        if v is not None:
+            monkeypatch.setenv(k, v)
+
+
+def test_under_srun_the_local_world_is_this_nodes_tasks(monkeypatch):
+    # 2 nodes x 4 GPUs: before, the whole world (8) counted as local, so 4 GPUs meant gloo
+    gpus(monkeypatch, 4)
+    srun(monkeypatch)
+    assert devices.under_torchrun() and devices.local_world_size(8) == 4
+    ctx = Context.from_env()
+    assert (ctx.rank, ctx.world_size, ctx.local_rank) == (5, 8, 1)
+    assert (ctx.backend, str(ctx.device)) == ("nccl", "cuda:1")
+    cfg = ddpkit.TrainConfig(world_size=8, backend="nccl", device="cuda")  # not refused
+    assert cfg.world_size == 8
+
+
+@pytest.mark.parametrize("env, want", [
+    (dict(SLURM_NTASKS_PER_NODE=None), 4),                    # srun --ntasks 8 on 2 nodes
+    (dict(SLURM_STEP_TASKS_PER_NODE="3,2", SLURM_NODEID="1"), 2),  # uneven nodes
+    (dict(SLURM_STEP_TASKS_PER_NODE="2(x3),1", SLURM_NODEID="3"), 1),
+    (dict(SLURM_STEP_TASKS_PER_NODE=None, SLURM_TASKS_PER_NODE=None), 4),  # --ntasks-per-node
+    (dict(LOCAL_WORLD_SIZE="2"), 2),                          # torch's own variable wins
+])
+def test_slurm_task_counts_in_every_form(monkeypatch, env, want):
+    srun(monkeypatch, **env)
+    assert devices.local_world_size(8) == want
+
+
+def test_outside_slurm_and_torchrun_every_rank_is_local(monkeypatch):
+    srun(monkeypatch, **{k: None for k in SRUN_ENV})
+    assert devices.local_world_size(8) == 8 and devices.local_rank(3) == 3
 
 
 # --- bf16 from the compute capability (fault 3)

@@ -349,6 +349,50 @@ def test_determinism_flags_are_carried_into_ranks(monkeypatch):
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # the kernel's environment is untouched
 
 
+def precision_seen(ctx):
+    def legacy(read):
+        try:
+            return read()
+        except RuntimeError:  # torch refuses once the legacy and the new API were mixed
+            return "refused"
+    return (legacy(torch.get_float32_matmul_precision),
+            legacy(lambda: torch.backends.cuda.matmul.allow_tf32),
+            legacy(lambda: torch.backends.cudnn.allow_tf32),
+            torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+            torch.backends.mkldnn.matmul.fp32_precision)
+
+
+@pytest.fixture
+def kernel_precision():
+    """The kernel's float32 precision as it was; put back after the test, whatever it set."""
+    from ddpkit.rank.entry import _apply_precision, capture_job_state
+
+    before = capture_job_state()
+    yield before
+    _apply_precision(before)
+
+
+@pytest.mark.parametrize("setting", [
+    lambda: torch.set_float32_matmul_precision("high"),
+    lambda: (setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+             setattr(torch.backends.cudnn, "allow_tf32", False)),
+    lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),  # the new API
+], ids=["matmul-precision-high", "cuda-tf32-cudnn-not", "new-api"])
+def test_tf32_and_matmul_precision_set_in_the_kernel_reach_every_rank(kernel_precision, setting):
+    from ddpkit.rank.entry import _apply_precision
+
+    default = precision_seen(None)
+    with ddpkit.Pool(world_size=2) as pool:
+        setting()
+        wanted = precision_seen(None)
+        assert wanted != default
+        assert pool.launch(precision_seen).returns == [wanted, wanted]
+        _apply_precision(kernel_precision)  # the kernel back to its defaults...
+        assert precision_seen(None) == default
+        # ...and the warm ranks follow: nothing is left over from the last job
+        assert pool.launch(precision_seen).returns == [default, default]
+
+
 def unterminated_print(ctx):
     print(f"progress {ctx.rank}", end="")  # no newline: the sync marker must not glue onto it
     return ctx.rank

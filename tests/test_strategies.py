@@ -91,3 +91,34 @@ def test_what_bf16_autocast_does_to_saved_bytes(pool):
     assert acts(64, "bf16") < acts(64, "fp32")
     assert acts(4, "bf16") > acts(4, "fp32")
     assert acts(4, "bf16") > weight_copies
+
+
+def fsdp_mesh_groups(ctx):
+    """The group under FSDP's mesh as ddpkit builds it and as ``init_device_mesh`` would, on
+    CPU ranks of a machine where CUDA is available (what torch.cuda answers on a GPU box)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ddpkit.engine.strategies import fsdp_mesh
+
+    def timeout(group):
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    real = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        ours = fsdp_mesh("cpu").get_group()
+        theirs = init_device_mesh("cpu", (ctx.world_size,)).get_group()
+    finally:
+        torch.cuda.is_available = real
+    return (ours is dist.group.WORLD, timeout(ours)), (theirs is dist.group.WORLD, timeout(theirs))
+
+
+def test_fsdp_mesh_is_the_jobs_group_with_the_jobs_timeout_on_a_gpu_box(pool):
+    # stall_timeout_s=100 gives the job's collectives a 200 s timeout (launch._collective_timeout)
+    res = pool.launch(fsdp_mesh_groups, stall_timeout_s=100)
+    for ours, theirs in res.returns:
+        assert ours == (True, 200.0)
+        # what init_device_mesh did there: a group of its own with torch's 30-minute default
+        assert theirs == (False, 1800.0)

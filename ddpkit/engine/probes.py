@@ -5,17 +5,10 @@
   ``weight.t()`` is a view of a parameter, not an activation). A checkpointed segment's input is
   held by the checkpoint for the recompute; non-reentrant checkpointing does not save it through
   the hooks, so the policy reports it (``on_segment_input``) and it is counted once too.
-* `PeakProbe`: peak memory of one optimizer step. CUDA: ``torch.cuda.max_memory_allocated``
-  after ``reset_peak_memory_stats``. CPU: the bytes in tensors live when the step starts
-  (parameters, gradients, optimizer state) plus the highest rise during the step, summed from
-  the CPU profiler's raw allocator events in time order (RSS is not used: glibc makes it noisy).
-  Two blind spots of the CPU reading, both from the profiler seeing only its own window: a block
-  allocated before the step and freed during it has no free event (torch warns "Memory block of
-  unknown size..."), so such a step can read high by that block (seen: one gradient bucket, at
-  the step where DDP rebuilds its buckets); and buffers that live across steps without being
-  parameters, gradients or optimizer state (DDP's gradient buckets) are not in the base.
+* The step's peak memory, its phase and what it is made of: `ddpkit.engine.memory.PeakProbe`.
 * `CommCounter`: a DDP communication hook that wraps the default all-reduce and counts calls and
-  bytes; the timeline (``timeline.py``) watches each call through it.
+  bytes (and notes where DDP's bucket buffers are, for the peak's ledger); the timeline
+  (``timeline.py``) watches each call through it.
 * `count_flops`: FLOPs of a callable via ``FlopCounterMode``: noise-free, unlike a clock.
 """
 from __future__ import annotations
@@ -24,6 +17,7 @@ import contextlib
 import time
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
@@ -37,7 +31,8 @@ def _nbytes(t):
     return t.numel() * t.element_size()
 
 
-def _storage(t):
+def storage(t):
+    """(identity of ``t``'s storage, its bytes): what the activation probe counts once."""
     # keyed on the StorageImpl, not data_ptr(): under FakeTensorMode (the estimate) every
     # data_ptr() is 0, while views still share their base's StorageImpl there too
     st = t.untyped_storage()
@@ -46,10 +41,13 @@ def _storage(t):
 
 class ActivationProbe:
     """Use ``with probe.forward(model):`` around each forward. ``bytes``: the last forward's
-    saved bytes; ``max_bytes``: the largest since ``new_step()`` (one micro-batch's worth)."""
+    saved bytes; ``max_bytes``: the largest since ``new_step()`` (one micro-batch's worth).
+    ``saved_keys`` / ``saved_addresses``: per forward since ``new_step()``, the StorageImpl ids
+    and data addresses of what it saved (the peak's ledger names these blocks activations)."""
 
     def __init__(self):
         self.bytes = self.max_bytes = 0
+        self.saved_keys, self.saved_addresses = [], []
         self.owner = None     # who saves now (the estimate sets the running block's index)
         self.by_owner = {}    # owner -> bytes it saved, in the last forward
         self._seen = set()
@@ -59,32 +57,38 @@ class ActivationProbe:
 
     def new_step(self):
         self.max_bytes = 0
+        self.saved_keys, self.saved_addresses = [], []
 
     def _count(self, t):
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        key, nbytes = _storage(t)
+        key, nbytes = storage(t)
         if key in self._params or key in self._seen or nbytes == 0:
             return
         if self._model is not None:
-            self._params |= {_storage(_local(p))[0] for p in self._model.parameters()}
+            self._params |= {storage(_local(p))[0] for p in self._model.parameters()}
             if key in self._params:
                 return
         self._seen.add(key)
         self.bytes += nbytes
+        self.saved_keys[-1].append(key)
+        if not is_fake(t):  # a FakeTensor's storage has no address (the estimate's trace)
+            self.saved_addresses[-1].append(t.untyped_storage().data_ptr())
         if self.owner is not None:  # only the estimate's per-block trace names owners
             self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + nbytes
 
     @contextlib.contextmanager
     def forward(self, model):
         self.bytes = 0
+        self.saved_keys.append([])
+        self.saved_addresses.append([])
         self.by_owner = {}
         self._seen.clear()
         if self._known is not None and self._known[0] is model:
             # a frozenset: `_count` adds to the set only for sharded models, never cached
             self._params, self._model = self._known[1], None
         else:
-            self._params = {_storage(_local(p))[0] for p in model.parameters()}
+            self._params = {storage(_local(p))[0] for p in model.parameters()}
             # FSDP2 swaps each block's sharded parameters for all-gathered ones during its
             # forward: those are parameters too, so look again whenever an unknown storage is
             # saved. Unsharded parameters are updated in place: looked up once per model
@@ -129,35 +133,6 @@ def optimizer_state_bytes(optimizer):
     return total
 
 
-class PeakProbe:
-    """``with probe.step(model, optimizer):`` around one optimizer step; read ``peak_bytes``."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.peak_bytes = 0
-
-    @contextlib.contextmanager
-    def step(self, model, optimizer):
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            yield self
-            self.peak_bytes = torch.cuda.max_memory_allocated()
-            return
-        from torch.profiler import ProfilerActivity, profile
-
-        base = sum(state_bytes(model, optimizer))
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            yield self
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-                  and e.device_type() == torch.autograd.DeviceType.CPU]
-        events.sort(key=lambda e: e.start_ns())
-        live = rise = 0
-        for e in events:
-            live += e.nbytes()
-            rise = max(rise, live)
-        self.peak_bytes = base + rise
-
-
 class CommCounter:
     """Counts the all-reduces DDP issues and the bytes they carry. ``install(ddp_model)``
     registers the hook. ``compress``: torch's fp16/bf16 compression hook to wrap instead of the
@@ -168,6 +143,7 @@ class CommCounter:
         self.bytes = 0
         self.compress = compress
         self.watch = watch  # (bucket, nbytes, launch) -> future: the timeline's observer
+        self.buckets = {}  # bucket index -> (data address, bytes) of DDP's flat buffer
 
     def reset(self):
         self.calls = self.bytes = 0
@@ -176,6 +152,8 @@ class CommCounter:
     def _hook(state, bucket):
         buf = bucket.buffer()
         state.calls += 1
+        st = buf.untyped_storage()
+        state.buckets[bucket.index()] = (st.data_ptr(), st.nbytes())
         if state.compress is not None:
             nbytes = buf.numel() * 2
             launch = lambda: state.compress(None, bucket)  # noqa: E731
@@ -184,6 +162,10 @@ class CommCounter:
             launch = lambda: default_hooks.allreduce_hook(None, bucket)  # noqa: E731 (None: the default group)
         state.bytes += nbytes
         return launch() if state.watch is None else state.watch(bucket, nbytes, launch)
+
+    def bucket_buffers(self):
+        """{data address: bytes} of DDP's bucket buffers, as the last all-reduces saw them."""
+        return dict(self.buckets.values())
 
     def install(self, ddp_model):
         ddp_model.register_comm_hook(self, CommCounter._hook)

@@ -51,15 +51,19 @@ def skip_sync(model):
 
 def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, precision="fp32",
                device="cpu", scaler=None, activation_probe=None, inner=None, scale_loss=True,
-               scheduler=None, loss_fn=None):
-    """Run ``accum_steps`` micro-batches and one optimizer step. Returns the mean loss (float).
+               scheduler=None, loss_fn=None, phase=None, read_loss=True):
+    """Run ``accum_steps`` micro-batches and one optimizer step. Returns the mean loss (float;
+    ``read_loss=False``: the 0-dim tensor, unread, as a simulated step under FakeTensorMode needs).
 
     ``model`` may be DDP-wrapped or FSDP2-sharded (then ``no_sync`` skips the gradient sync of
     all but the last micro-batch) or a plain module. ``inner`` is the unwrapped module, for the activation probe.
     ``scale_loss=False`` reproduces the classic bug (gradients accum_steps times too large).
     A micro-batch is any batch; ``loss_fn(model, batch)`` makes its loss (None: `compute_loss`'s
     conventions, e.g. ``model(*batch)`` for the built-in models' ``(x, y)``).
+    ``phase(name)``: a context entered around each forward (with its loss), each backward and the
+    optimizer step ('forward', 'backward', 'optimizer'): the peak-memory probe's marks.
     """
+    phase = phase or _no_phase
     # summed on the device, read once per step; float64 as the Python float it replaces
     total = torch.zeros((), dtype=torch.float64, device=device)
     batches = list(micro_batches)
@@ -70,21 +74,29 @@ def train_step(model, optimizer, micro_batches, *, accum_steps, no_sync=True, pr
         sync = (skip_sync(model) if no_sync and not last else None) or nullcontext()
         with sync:
             probe = activation_probe.forward(inner or model) if activation_probe else nullcontext()
-            with probe, autocast_for(precision, device):
+            with phase("forward"), probe, autocast_for(precision, device):
                 loss = compute_loss(model, to_device(batch, device), loss_fn)
             # no .item() here: on CUDA it would wait for the forward before queuing the backward
             total += loss.detach().double()
-            # scale the loss to account for gradient accumulation: grads add up over micro-batches
-            scaled = loss / accum_steps if scale_loss else loss
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
+            with phase("backward"):
+                # scale the loss for gradient accumulation: grads add up over micro-batches
+                scaled = loss / accum_steps if scale_loss else loss
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+    with phase("optimizer"):
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    return total.item() / accum_steps  # the step's one device-to-host sync
+    mean = total / accum_steps
+    return mean.item() if read_loss else mean  # the step's one device-to-host sync
+
+
+@contextmanager
+def _no_phase(name):
+    yield
 
 
 def zero_grad(optimizer):

@@ -23,17 +23,16 @@ def optimizer_class(cfg):
     return torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
 
 
-def wrap(cfg, model, ctx, count_comm=True, watch=None):
-    """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy. ``watch``: the
+def wrap(cfg, model, ctx, count_comm=True, mesh=None, watch=None):
+    """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy. ``mesh``: FSDP's
+    device mesh, if made already (the estimate makes it outside FakeTensorMode). ``watch``: the
     timeline's observer of each bucket's all-reduce (`CommCounter` calls it), DDP only."""
     if cfg.strategy == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        # an explicit mesh on the ranks' own device: FSDP's default mesh takes the machine's
-        # accelerator, which is wrong for CPU ranks on a machine that has a GPU
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         from .blocks import resolve_blocks
+
+        mesh = mesh or fsdp_mesh(ctx.device.type)
 
         for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block
             fully_shard(block, mesh=mesh)
@@ -54,6 +53,21 @@ def wrap(cfg, model, ctx, count_comm=True, watch=None):
     else:
         optimizer = optimizer_class(cfg)(ddp.parameters(), lr=cfg.lr)
     return ddp, optimizer, comm if count_comm else None
+
+
+def fsdp_mesh(device_type):
+    """FSDP's 1-D mesh over the job's own process group, on the ranks' device.
+
+    Built from the existing group (``DeviceMesh.from_group``), not by ``init_device_mesh``:
+    FSDP's default mesh takes the machine's accelerator, wrong for CPU ranks on a GPU machine;
+    and ``init_device_mesh`` makes a group of its own, with torch's default timeout and a second
+    rendezvous, whenever CUDA is available and the default group is gloo (torch 2.13
+    ``device_mesh.py``, ``_init_one_process_group``): the shared-GPU mode and ``device="cpu"``
+    on a GPU box. The job's group carries the job's timeout (`rank.process_group`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(dist.group.WORLD, device_type)
 
 
 def full_state_dict(cfg, wrapped, model):

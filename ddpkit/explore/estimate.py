@@ -20,10 +20,14 @@ tensors each op saves (fp32):
 * GPT block, per token: ln1 input + stats (D + 2); qkv input (D); attention keeps q, k, v (one
   3D buffer), its output (D; proj's input is a view of it, heads merged back without a copy)
   and log-sum-exp (one per head); ln2 input + stats (D + 2); fc1 input (D); GELU input (h);
-  fc2 input (h): ``8D + 2h + 4 + heads``.
+  fc2 input (h): ``8D + 2h + 4 + heads`` on CPU. What attention itself makes and keeps (output,
+  log-sum-exp, on CUDA an RNG state and paddings) is the kernel's own: `attention` says which
+  kernel the run's device picks and what it keeps; on CUDA's efficient kernel (fp32) that is
+  16 bytes more per block and log-sum-exp rounded up to 32 tokens. Where CUDA would run its
+  math kernel, the estimate traces the model instead.
 * A checkpointed segment keeps only its input (D per sample or token), whatever its length; a
-  plain block keeps all of the above. Segments are counted as `policies.segments_for` lays them
-  out (the last segment of an int setting is never checkpointed).
+  plain block keeps all of the above. Segments are counted as `CheckpointSetting.segments` lays
+  them out (the last segment of an int setting is never checkpointed).
 
 Under bf16 autocast the matmul inputs are saved as bf16 copies: the prediction is then rougher
 (it is tested for fp32). Dropout masks are not counted: the prediction is for ``dropout=0``.
@@ -40,7 +44,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..engine.policies import CheckpointPolicy, segments_for
+from ..engine.policies import CheckpointSetting
+from . import attention
 from .units import human_bytes
 
 F32, I64 = 4, 8
@@ -75,9 +80,19 @@ class Estimate:
     """'formula' (built-in models, first principles) or 'traced' (FakeTensorMode)."""
     config: object = field(default=None, repr=False, compare=False)
 
+    def peak(self, step=None, rank=None):
+        """The step's predicted peak per rank, a `ddpkit.engine.memory.Peak` (``bytes``,
+        ``phase``, ``ledger``: bytes by kind at that moment), from the rank's own step simulated
+        on fake tensors (`ddpkit.explore.peak`). ``step``: 0 (the optimizer state is made), 1
+        or 'steady' (every step after: DDP's rebuild of its buckets at step 1 frees as much as it
+        allocates), None: the higher. ``rank``: None is the heaviest rank."""
+        from .peak import predicted_peak
+
+        return predicted_peak(self.config, step, rank)
+
     def fits(self, gpu):
-        """`plan.Fit` (truthy if it fits) on a GPU name ('T4', 'A100-80GB', 'H100': see
-        `ddpkit.explore.plan.GPUS`) or a byte count, with this config's checkpoint setting."""
+        """`plan.Fit` (truthy if it fits) of the step's peak on a GPU name ('T4', 'A100-80GB',
+        'H100': see `ddpkit.explore.plan.GPUS`) or a byte count, with this config's setting."""
         from .plan import fits
 
         return fits(self.config, gpu)
@@ -99,6 +114,9 @@ class Estimate:
 
     @property
     def total(self):
+        """Model states plus one micro-batch's activations: a sum of parts, not the step's
+        peak (which adds DDP's buckets and the step's temporaries, and may sit in the
+        optimizer step): for "will it fit", `peak()`."""
         return self.params + self.grads + self.optimizer + self.activations
 
     def to_dict(self):
@@ -109,8 +127,8 @@ class Estimate:
     def __repr__(self):
         mib = human_bytes
         return (f"Estimate(params={mib(self.params)}, grads={mib(self.grads)}, "
-                f"optimizer={mib(self.optimizer)}, activations={mib(self.activations)}, "
-                f"total={mib(self.total)})")
+                f"optimizer={mib(self.optimizer)}, activations={mib(self.activations)}; "
+                f"the step's peak: .peak())")
 
 
 def param_count(cfg):
@@ -134,7 +152,12 @@ def activation_parts(cfg):
         return ends, block, boundary
     T, V = cfg.seq_len, cfg.vocab
     tokens = B * T
-    block = tokens * (8 * D + 2 * h + 4 + cfg.n_heads) * F32
+    attn = _attention_bytes(cfg)  # attention's own output and log-sum-exp, and more on CUDA
+    if attn is None:
+        raise ValueError(f"this run's GPU would compute attention with torch's math kernel "
+                         f"(head dim {D // cfg.n_heads}), which the formula does not count; "
+                         f"estimate(cfg) traces the model instead")
+    block = tokens * (7 * D + 2 * h + 4) * F32 + attn
     boundary = tokens * D * F32
     # token ids (embedding); head: ln_f input + stats, head's input, log-softmax output,
     # targets and nll_loss's scalar total weight
@@ -142,17 +165,53 @@ def activation_parts(cfg):
     return ends, block, boundary
 
 
-def activation_bytes(cfg, checkpoint="config"):
-    """Predicted activation bytes of one micro-batch under a setting (the config's by default):
-    first principles for the built-in models, a FakeTensorMode trace for yours."""
-    setting = cfg.checkpoint if checkpoint == "config" else checkpoint
-    if not cfg.builtin:
+def activation_bytes(cfg, setting=None):
+    """Predicted activation bytes of one micro-batch under ``setting`` (a `CheckpointSetting`;
+    the config's when not given): first principles for the built-in models, a FakeTensorMode
+    trace for yours."""
+    setting = _setting(cfg, setting)
+    if not _by_formula(cfg):
         return trace_activations(cfg, setting)
     ends, block, boundary = activation_parts(cfg)
     total = ends
-    for start, stop, on in segments_for(setting, cfg.n_blocks):
+    for start, stop, on in setting.segments:
         total += boundary if on else (stop - start) * block
     return total
+
+
+def _setting(cfg, setting):
+    if setting is None:
+        return cfg.checkpointing
+    if not isinstance(setting, CheckpointSetting):
+        raise TypeError(f"pass a CheckpointSetting (CheckpointSetting.of({setting!r}, "
+                        f"{cfg.n_blocks})), or nothing for the config's own setting")
+    return setting
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _target(cfg):
+    """The GPU cfg's rank 0 computes attention on, or None for CPU ranks (`attention`)."""
+    return attention.run_target(cfg.world_size, cfg.backend, cfg.device)
+
+
+def _attention_bytes(cfg):
+    """What the built-in GPT's SDPA makes and keeps, one block, on the kernel the run's device
+    picks; None where that is CUDA's math kernel (no fixed set: traced instead)."""
+    B, T, D, H = cfg.micro_batch, cfg.seq_len, cfg.width, cfg.n_heads
+    x = torch.empty(B, T, 3 * D, dtype=_DTYPES[cfg.precision], device="meta")
+    q, k, v = x.view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # as models.Attention does
+    target = _target(cfg)
+    kernel = "cpu_flash" if target is None else attention.cuda_kernel(
+        q, k, v, target, is_causal=True, dropout_p=cfg.dropout)
+    return attention.saved_bytes(kernel, q, k, v)
+
+
+def _by_formula(cfg):
+    """Does the first-principles formula cover cfg? The built-in models, unless CUDA would run
+    the GPT's attention on its math kernel."""
+    return cfg.builtin and (cfg.model == "mlp" or _attention_bytes(cfg) is not None)
 
 
 def optimizer_bytes(cfg, n_params):
@@ -179,7 +238,7 @@ def estimate(cfg) -> Estimate:
         raise TypeError(f"estimate() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
                         f"build one with ddpkit.TrainConfig(model=..., ...)")
     shards = cfg.world_size if cfg.strategy == "fsdp" else 1
-    if cfg.builtin:
+    if _by_formula(cfg):
         n = param_count(cfg)
         _, block, boundary = activation_parts(cfg)
         costs = [BlockCost(f"blocks.{i}", block, boundary, f)
@@ -209,6 +268,7 @@ class _Traced:
         from ..engine.spec import build_model
 
         self.cfg = cfg
+        self.target = _target(cfg)  # a CUDA run: attention keeps what its CUDA kernel keeps
         self.mode = FakeTensorMode()
         self.lock, self.memo = threading.RLock(), {}
         real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
@@ -222,7 +282,8 @@ class _Traced:
         self._per_block()
 
     def forward_bytes(self, setting, probe=None):
-        """Activation bytes one forward saves under ``setting`` (memoised per setting)."""
+        """Activation bytes one forward saves under ``setting`` (a `CheckpointSetting`,
+        memoised per setting)."""
         from ..engine.probes import ActivationProbe
         from ..engine.spec import compute_loss
         from ..engine.step import autocast_for
@@ -233,9 +294,9 @@ class _Traced:
         probe = probe or ActivationProbe()
         # one FakeTensorMode is not for two threads at once (the lab's plots and sliders)
         with self.lock:
-            CheckpointPolicy.from_config(self.cfg, setting).apply(self.model, self.cfg.blocks_path)
+            self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
             with self.mode, _as_real_for_transformers(self.batch), probe.forward(self.model), \
-                    autocast_for(self.cfg.precision, "cpu"):
+                    autocast_for(self.cfg.precision, "cpu"), _on_device(self.target):
                 compute_loss(self.model, self.batch, self.cfg.loss_fn)
         self.memo[key] = probe.bytes
         return probe.bytes
@@ -243,21 +304,21 @@ class _Traced:
     def _per_block(self):
         from torch.utils.flop_counter import FlopCounterMode
 
-        from ..engine.probes import ActivationProbe, _storage
+        from ..engine.probes import ActivationProbe, storage
 
         probe, inputs = ActivationProbe(), {}
 
         def enter(i, module, args, kwargs):
             probe.owner = i
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            inputs[i] = _storage(first)[1] if first is not None else 0
+            inputs[i] = storage(first)[1] if first is not None else 0
         hooks = [b.register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True)
                  for i, b in enumerate(self.blocks)]
         hooks += [b.register_forward_hook(lambda *a: setattr(probe, "owner", None))
                   for b in self.blocks]
         try:
             with FlopCounterMode(display=False) as counter:
-                self.forward_bytes(None, probe)
+                self.forward_bytes(CheckpointSetting(None, len(self.blocks)), probe)
         finally:
             for h in hooks:
                 h.remove()
@@ -266,6 +327,12 @@ class _Traced:
         self.block_keeps = [probe.by_owner.get(i, 0) for i in range(len(self.blocks))]
         self.block_boundary = [inputs.get(i, 0) for i in range(len(self.blocks))]
         self.block_flops = [sum(counts.get(f"{root}.{n}", {}).values()) for n in self.block_names]
+
+
+def _on_device(target):
+    """Attention as the run's device computes it: CPU's kernels as they are; on a CUDA
+    target, the kernel CUDA picks, saving what it saves (`attention.on_cuda`)."""
+    return contextlib.nullcontext() if target is None else attention.on_cuda(target)
 
 
 @contextlib.contextmanager
@@ -308,7 +375,7 @@ def _trace_key(cfg):
     keep = ("model", "data", "loss", "blocks", "n_blocks", "width", "mlp_ratio", "seq_len", "vocab",
             "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant")
     return tuple((k, d[k] if isinstance(d[k], (str, int, float, type(None))) else id(d[k]))
-                 for k in keep)
+                 for k in keep) + (_target(cfg),)
 
 
 def _traced(cfg):
@@ -322,21 +389,23 @@ def _traced(cfg):
         return hit
 
 
-def traced_flops(cfg, setting):
-    """FLOPs of one micro-batch's forward and backward under ``setting`` (FakeTensorMode)."""
+def traced_flops(cfg, setting=None):
+    """FLOPs of one micro-batch's forward and backward under ``setting`` (a `CheckpointSetting`;
+    the config's when not given), counted under FakeTensorMode."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..engine.spec import compute_loss
 
+    setting = _setting(cfg, setting)
     t = _traced(cfg)
     with t.lock:
-        CheckpointPolicy.from_config(cfg, setting).apply(t.model, cfg.blocks_path)
+        cfg.checkpoint_policy(setting).apply(t.model, cfg.blocks_path)
         with t.mode, _as_real_for_transformers(t.batch), FlopCounterMode(display=False) as counter:
             compute_loss(t.model, t.batch, cfg.loss_fn).backward()
     return counter.get_total_flops()
 
 
-def trace_activations(cfg, checkpoint="config"):
-    """Activation bytes of one micro-batch under a checkpoint setting, traced (no memory)."""
-    setting = cfg.checkpoint if checkpoint == "config" else checkpoint
-    return _traced(cfg).forward_bytes(setting)
+def trace_activations(cfg, setting=None):
+    """Activation bytes of one micro-batch under ``setting`` (a `CheckpointSetting`; the
+    config's when not given), traced (no memory)."""
+    return _traced(cfg).forward_bytes(_setting(cfg, setting))

@@ -1,29 +1,38 @@
-"""`plan`: which blocks to checkpoint so one rank fits a memory budget at the least recompute,
-and `fits`: will a config fit a named GPU.
+"""`plan`: which blocks to checkpoint so one rank's step fits a memory budget at the least
+recompute; `fits` and `largest_micro_batch`: will a config fit a named GPU.
 
-From the estimate's per-block figures (`Estimate.blocks`: what each block keeps when plain,
-what its boundary keeps when checkpointed) and each block's recompute FLOPs (counted with
-``FlopCounterMode`` on the estimate's FakeTensorMode model: the step with that block alone
-checkpointed, minus the step with none), a selective setting ``mask`` costs
+Every answer is about the step's **peak** per rank (`ddpkit.explore.peak`: the rank's own step
+simulated on fake tensors; every live byte at the highest moment of forward, backward and
+optimizer step, DDP's buckets included), never about a sum of parts.
+
+Checkpointing lowers only what the forward saves for backward. So `plan` reads first where the
+peak of the step without checkpointing is: when it is in the optimizer step (with AdamW it
+often is: parameters, gradients, DDP's bucket copy of them, two moments and the update's
+temporaries), no checkpoint choice can lower it, and the plan says so and lists, each with its
+predicted peak, what can: ``gradient_as_bucket_view=True`` (the gradients live in DDP's
+buckets: one copy fewer), ZeRO-1, FSDP, a smaller micro-batch with more accumulation.
+
+Otherwise the choice is searched on the per-block trade-off. From the estimate's per-block
+figures (what each block keeps when plain, what its boundary keeps when checkpointed) and each
+block's recompute FLOPs (``FlopCounterMode`` on the FakeTensorMode model: the step with that
+block alone checkpointed, minus the step with none), a selective mask costs
 
 * activations after forward: ``A(none) - sum(keeps_i - boundary_i for checkpointed i)``
   (exact: the saved storages of one block do not depend on another block's checkpointing);
-* the step's activation peak: the larger of that and, for each checkpointed block, what the
-  blocks before it hold plus its own inside, which comes back while its backward runs (the
-  blocks after it are freed by then; the head's tensors are counted as still held);
+* the backward's activation peak: the larger of that and, for each checkpointed region (a
+  segment of one or more blocks, recomputed at once), what the blocks before it hold plus the
+  whole inside of its blocks, which comes back while its backward runs (the blocks after it
+  are freed by then; the head's tensors are counted as still held): so the peak grows with a
+  segment's length, as ``checkpoint_sequential``'s does;
 * FLOPs: ``F(none) + sum(recompute_i for checkpointed i)``.
 
-The search is exact: every mask for up to 16 blocks, and for more, every count per group of
-identical blocks (a transformer's blocks are one group, so n + 1 choices); past a million
-combinations it falls back to adding blocks greedily by bytes freed per FLOP. This is the
-selective-checkpointing knapsack torch's ``torch.distributed._tools.sac_ilp`` solves with an
-ILP per operator; per block, enumeration is exact and needs no solver.
-
-What the prediction leaves out, and says so: the CUDA context and allocator overhead (a stated
-constant per GPU in `GPUS`), fragmentation, NCCL/gloo buffers, DDP's gradient buckets (one more
-copy of the gradients, in buckets), and temporaries of the step's peak (a loss's logits and
-their gradient, optimizer temporaries). On CPU the peak probe reads these too: the notebook and
-the tests report how far it sits from the prediction.
+The masks on the Pareto frontier of (FLOPs, activation peak) are enumerated exactly (every mask
+up to 16 blocks, every count per group of identical blocks beyond; this is the knapsack
+torch's ``torch.distributed._tools.sac_ilp`` solves with an ILP per operator). Each mask's step
+peak is then placed by the simulated step without checkpointing: its forward and backward
+phases lower by what the mask saves, its optimizer phase stays. The cheapest mask placed
+within the budget is simulated itself, and taken when its simulated peak fits (else the next):
+the plan's bytes are always a simulated step's.
 """
 from __future__ import annotations
 
@@ -31,7 +40,8 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-from .units import GIB, KIB, MIB, TIB, human_bytes
+from ..engine.policies import CheckpointSetting
+from .units import GIB, KIB, MIB, TIB, fmt_bytes
 
 # usable memory per GPU: the card's memory less what the CUDA context and the caching allocator
 # take before a tensor is made (about 0.5 GiB context on recent drivers; we keep 5% more aside
@@ -44,21 +54,49 @@ GPUS = {
     "V100-32GB": 32 * GIB,
     "A10G": 24 * GIB,
     "L4": 24 * GIB,
+    "L40S": 48 * GIB,
     "A100-40GB": 40 * GIB,
     "A100-80GB": 80 * GIB,
-    "H100": 80 * GIB,
-    "H200": 141 * GIB,
+    "H100-80GB": 80 * GIB,
+    "H200-141GB": 141 * GIB,
 }
+"""The cards `fits` knows, by memory. Other spellings are accepted (`gpu_name`)."""
+
+
+def _norm(text):
+    return re.sub(r"[\s_\-]", "", text.upper().replace("NVIDIA", ""))
+
+
+def _spellings():
+    models = [key.split("-")[0] for key in GPUS]
+    out = {}
+    for key, model in zip(GPUS, models):
+        gb = GPUS[key] // GIB
+        for unit in ("GB", "G", "GIB"):
+            out[_norm(f"{model}{gb}{unit}")] = key
+        if models.count(model) == 1:
+            out[_norm(model)] = key
+    return out
+
+
+def gpu_name(name):
+    """The `GPUS` key for a card as people write it: 'H100', 'h100', 'H100-80GB', 'NVIDIA H100
+    80GB', 'a100_40gb'. 'A100' alone is refused: it came with 40 and 80 GB."""
+    key = _spellings().get(_norm(name))
+    if key is not None:
+        return key
+    sizes = [k for k in GPUS if _norm(k.split("-")[0]) == _norm(name)]
+    hint = f" (it came with {' and '.join(k.split('-')[1] for k in sizes)}: name one)" \
+        if sizes else ""
+    raise ValueError(f"gpu={name!r} is not a card ddpkit knows{hint}; pass one of "
+                     f"{', '.join(GPUS)} (ddpkit.explore.plan.GPUS) or a byte count such as "
+                     f"16 * 2**30")
 
 
 def usable_bytes(gpu):
     """Bytes a training step can use on a named GPU (or a byte count given as is)."""
-    if isinstance(gpu, str):
-        if gpu not in GPUS:
-            raise ValueError(f"gpu={gpu!r} is not in ddpkit.explore.plan.GPUS ({', '.join(GPUS)}); pass "
-                             f"one of those or a byte count such as 16 * 2**30")
-        total = GPUS[gpu]
-        return int((total - CUDA_CONTEXT) * (1 - ALLOCATOR_RESERVE))
+    if isinstance(gpu, str) and not re.fullmatch(r"\s*[\d.]+\s*([KMGT]i?B|B)?\s*", gpu, re.I):
+        return int((GPUS[gpu_name(gpu)] - CUDA_CONTEXT) * (1 - ALLOCATOR_RESERVE))
     return parse_bytes(gpu, "gpu")
 
 
@@ -79,12 +117,26 @@ def parse_bytes(value, name="memory_budget"):
                      f"'512MiB'")
 
 
+def _budget(memory_budget):
+    """A budget in bytes: a card's usable bytes for a GPU name, else bytes or a size string."""
+    try:
+        return usable_bytes(memory_budget) if isinstance(memory_budget, str) else \
+            parse_bytes(memory_budget)
+    except ValueError:
+        return parse_bytes(memory_budget)  # its message names memory_budget
+
+
 @dataclass
 class Fit:
-    """Does a config fit? Truthy when it does. Figures per rank, in bytes."""
-    predicted: int
+    """Does a config fit? Truthy when it does. ``peak``: the predicted step peak per rank (a
+    `Peak`: bytes, phase, ledger); ``usable``: the bytes the card leaves a step."""
+    peak: object
     usable: int
     where: str
+
+    @property
+    def predicted(self):
+        return self.peak.bytes
 
     def __bool__(self):
         return self.predicted <= self.usable
@@ -95,42 +147,50 @@ class Fit:
 
     def __repr__(self):
         verdict = "fits" if self else "does not fit"
-        gib = lambda n: human_bytes(n, "GiB", 2)  # noqa: E731
-        return (f"Fit({verdict} {self.where}: {gib(self.predicted)} predicted of "
-                f"{gib(self.usable)} usable; not counted: fragmentation, NCCL buffers, "
-                f"DDP buckets, the step's temporaries)")
+        return (f"Fit({verdict} {self.where}: the step peaks at {fmt_bytes(self.predicted)} per "
+                f"rank in the {self.peak.phase}, of {fmt_bytes(self.usable)} usable; not counted: "
+                f"fragmentation beyond the 5% reserve, NCCL's own buffers)")
 
 
 @dataclass
 class Choice:
-    """One point of the trade-off: a per-block mask and what it costs per rank."""
+    """One point of the trade-off: a per-block mask and what it costs per rank. ``peak``: its
+    simulated step peak, once simulated (`plan` simulates the one it takes)."""
     mask: tuple
     activations: int
     peak_activations: int
     states: int
     flops: int
     flops_ratio: float
+    setting: object = field(default=None, repr=False, compare=False)
+    """The `CheckpointSetting` (its regions: an int setting's segments are several blocks)."""
+    placed: int = 0
+    """The step peak placed from the simulated step without checkpointing (the search's key)."""
+    peak: object = None
 
     @property
     def total(self):
-        """Predicted bytes per rank at the step's peak."""
-        return self.states + self.peak_activations
+        """Predicted bytes per rank at the step's peak: simulated when it was, else placed."""
+        return self.peak.bytes if self.peak is not None else self.placed
 
     @property
     def checkpoint(self):
         """The setting for TrainConfig.checkpoint (None when nothing is checkpointed)."""
-        return list(self.mask) if any(self.mask) else None
+        return (self.setting or CheckpointSetting.from_mask(self.mask)).plain
 
 
 @dataclass
 class Plan:
-    """``ddpkit.plan``'s answer. ``choice`` is None when nothing fits; then ``alternatives``
-    says what would (with predicted figures)."""
+    """``ddpkit.plan``'s answer. ``choice`` is None when nothing fits; then ``reason`` says
+    why and ``alternatives`` what would (each with its predicted peak)."""
     budget: int
     choice: Choice | None
     frontier: list = field(repr=False)
     alternatives: list = field(default_factory=list)
     config: object = field(default=None, repr=False)
+    reason: str = ""
+    unchecked: object = field(default=None, repr=False)
+    """The simulated peak without checkpointing (where the step peaks)."""
 
     @property
     def fits(self):
@@ -147,22 +207,25 @@ class Plan:
         return (cfg or self.config).replace(checkpoint=self.checkpoint)
 
     def frontier_table(self):
+        """The frontier: each mask's activations, placed step peak and FLOP ratio."""
         import pandas as pd
 
-        return pd.DataFrame([dict(checkpointed=sum(c.mask), mask="".join("1" if b else "0" for b in c.mask),
+        return pd.DataFrame([dict(checkpointed=sum(c.mask), mask=str(CheckpointSetting.from_mask(c.mask)),
                                   activation_bytes=c.activations, peak_bytes=c.total,
-                                  flops_ratio=round(c.flops_ratio, 4),
+                                  simulated=c.peak is not None, flops_ratio=round(c.flops_ratio, 4),
                                   chosen=self.choice is not None and c.mask == self.choice.mask)
                              for c in self.frontier])
 
     def __repr__(self):
-        gib = lambda n: human_bytes(n, "GiB", 3)  # noqa: E731
+        gib = fmt_bytes
         if self.choice is None:
-            alts = "; ".join(f"{a['change']}: {gib(a['predicted'])}" for a in self.alternatives)
-            return f"Plan(nothing fits {gib(self.budget)}; would fit: {alts or 'nothing tried'})"
+            alts = "; ".join(f"{a['change']}: {gib(a['predicted'])}{' (fits)' if a['fits'] else ''}"
+                             for a in self.alternatives)
+            return (f"Plan(nothing fits {gib(self.budget)}: {self.reason}; instead: "
+                    f"{alts or 'nothing tried'})")
         c = self.choice
-        return (f"Plan(checkpoint={c.checkpoint}, {gib(c.total)} of {gib(self.budget)} per rank, "
-                f"FLOP ratio {c.flops_ratio:.3f})")
+        return (f"Plan(checkpoint={c.checkpoint}, the step peaks at {gib(c.total)} per rank in "
+                f"the {c.peak.phase} of {gib(self.budget)}, FLOP ratio {c.flops_ratio:.3f})")
 
 
 # ----------------------------------------------------------------------------- the figures
@@ -181,29 +244,58 @@ def _figures(cfg):
 
     est = estimate(cfg.replace(checkpoint=None))
     n = cfg.n_blocks
-    base_flops = traced_flops(cfg, None)
+    base_flops = traced_flops(cfg, CheckpointSetting(None, n))
     recompute, by_signature = [], {}
     for i, b in enumerate(est.blocks):
         sig = (b.keeps, b.boundary, b.flops)  # identical blocks recompute identically
         if sig not in by_signature:
-            alone = [j == i for j in range(n)]
+            alone = CheckpointSetting.from_mask([j == i for j in range(n)])
             by_signature[sig] = traced_flops(cfg, alone) - base_flops
         recompute.append(by_signature[sig])
     return _Blocks([b.keeps - b.boundary for b in est.blocks], [b.keeps for b in est.blocks],
                    recompute, est.activations, base_flops, est.params + est.grads + est.optimizer)
 
 
-def _choice(fig, mask):
-    acts = fig.base_acts - sum(s for s, on in zip(fig.saves, mask) if on)
-    # backward runs the blocks last to first: when block i is recomputed, the blocks after it
-    # have been freed, and its inside comes back on top of what the blocks before it hold
-    peak, after = acts, 0
-    for i in reversed(range(len(mask))):
-        if mask[i]:
-            peak = max(peak, acts - after + fig.saves[i])
-        after += fig.keeps[i] - (fig.saves[i] if mask[i] else 0)  # what block i holds
-    flops = fig.base_flops + sum(r for r, on in zip(fig.recompute, mask) if on)
-    return Choice(tuple(mask), acts, peak, fig.states, flops, flops / fig.base_flops)
+def _choice(fig, setting, flops=None):
+    """What ``setting`` (a `CheckpointSetting`) costs: each checkpointed segment one region.
+    ``flops``: the step's counted FLOPs when known (else the sum of the blocks' recomputes)."""
+    mask, regions = setting.mask, setting.regions
+    # a region keeps its first block's input (its boundary) in place of all its blocks' insides
+    freed = {a: sum(fig.keeps[a:b]) - (fig.keeps[a] - fig.saves[a]) for a, b in regions}
+    acts = fig.base_acts - sum(freed.values())
+    # backward runs the regions last to first: when one is recomputed, the blocks after it have
+    # been freed, and its blocks' whole inside comes back on top of what the blocks before hold
+    peak, after, stop = acts, 0, len(mask)
+    for a, b in reversed(regions):
+        after += sum(fig.keeps[b:stop])  # the plain blocks between this region and the next
+        peak = max(peak, acts - after + freed[a])
+        after += fig.keeps[a] - fig.saves[a]  # what the region held: its boundary
+        stop = a
+    if flops is None:
+        flops = fig.base_flops + sum(r for r, on in zip(fig.recompute, mask) if on)
+    return Choice(tuple(mask), acts, peak, fig.states, flops, flops / fig.base_flops, setting)
+
+
+def cost(cfg, setting=None):
+    """`Choice` of ``setting`` (a `CheckpointSetting`; the config's when not given): activation
+    bytes after forward, the step's activation peak (a checkpointed segment's recompute brings
+    its whole inside back at once), model states, and the step's FLOPs, counted."""
+    from .estimate import traced_flops
+
+    setting = cfg.checkpointing if setting is None else setting
+    return _choice(_figures(cfg), setting, traced_flops(cfg, setting))
+
+
+def _place(choice, fig, unchecked):
+    """The step peak of ``choice`` placed from the simulated step without checkpointing: the
+    forward peaks with its saved activations (lower by what the mask saves), the backward
+    with its activation peak (lower by as much), the optimizer step as it was."""
+    by = unchecked.by_phase
+    none = _choice(fig, CheckpointSetting(None, len(fig.saves)))
+    choice.placed = max(by.get("forward", 0) - (none.activations - choice.activations),
+                        by.get("backward", 0) - (none.peak_activations - choice.peak_activations),
+                        by.get("optimizer", 0))
+    return choice
 
 
 def _masks(fig, limit=1_000_000):
@@ -235,7 +327,7 @@ def _masks(fig, limit=1_000_000):
 
 
 def frontier(choices):
-    """The Pareto-optimal choices: none other is both smaller and cheaper."""
+    """The Pareto-optimal choices: none other has both fewer FLOPs and a lower peak."""
     best, out = None, []
     for c in sorted(choices, key=lambda c: (c.flops, c.total)):
         if best is None or c.total < best:
@@ -244,41 +336,63 @@ def frontier(choices):
     return out
 
 
+def _peak(cfg):
+    from .peak import predicted_peak
+
+    return predicted_peak(cfg)
+
+
 def plan(cfg, memory_budget):
-    """The per-block checkpoint choice that keeps the predicted per-rank memory (params + grads
-    + optimizer state + activations at the step's peak) within ``memory_budget`` (bytes, a
-    string like '12GiB', or a GPU name from `GPUS`) at the least recompute."""
+    """The per-block checkpoint choice whose step peak per rank (simulated: every live byte at
+    the step's highest moment, DDP's buckets included) fits ``memory_budget`` (bytes, a string
+    like '12GiB', or a GPU name from `GPUS`) at the least recompute."""
     from ..config import TrainConfig
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")
-    budget = usable_bytes(memory_budget) if isinstance(memory_budget, str) and \
-        memory_budget in GPUS else parse_bytes(memory_budget)
+    budget = _budget(memory_budget)
     fig = _figures(cfg)
-    front = frontier(_choice(fig, m) for m in _masks(fig))
-    fitting = [c for c in front if c.total <= budget]
-    choice = min(fitting, key=lambda c: (c.flops, c.total)) if fitting else None
-    alternatives = [] if choice else _alternatives(cfg, budget)
-    return Plan(budget, choice, front, alternatives, cfg)
+    unchecked = _peak(cfg.replace(checkpoint=None))
+    front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m)), fig, unchecked)
+                     for m in _masks(fig))
+    optimizer = unchecked.by_phase.get("optimizer", 0)
+    if optimizer > budget:
+        reason = (f"the step peaks in the optimizer step ({fmt_bytes(optimizer)}: parameters, "
+                  f"gradients, optimizer state and the update's temporaries, with DDP's buckets), "
+                  f"which "
+                  f"checkpointing cannot lower: it frees activations, and those are gone by then")
+        return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
+    for c in front:  # cheapest first; simulate those placed within the budget
+        if c.placed <= budget:
+            c.peak = _peak(cfg.replace(checkpoint=c.checkpoint))
+            if c.peak.bytes <= budget:
+                return Plan(budget, c, front, [], cfg, "", unchecked)
+    reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
+              f"{fmt_bytes(min(c.total for c in front))})")
+    return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
 
 
 def _alternatives(cfg, budget):
-    """What would fit when no checkpoint choice does, each with its predicted figures: a
-    smaller micro-batch with more accumulation (same global batch), ZeRO-1, FSDP."""
-    out = []
+    """What would fit when no checkpoint choice does, each with its predicted step peak (the
+    lower of no checkpointing and every block checkpointed): gradients in DDP's buckets,
+    ZeRO-1, FSDP, and a smaller micro-batch with more accumulation (same global batch)."""
     tries = []
+    if cfg.strategy != "fsdp" and not cfg.gradient_as_bucket_view:
+        tries.append(("gradient_as_bucket_view=True (gradients live in DDP's buckets: one "
+                      "copy fewer)", dict(gradient_as_bucket_view=True)))
+    if cfg.strategy == "ddp" and cfg.optimizer != "sgd":
+        tries.append(("strategy='ddp_zero1' (optimizer state sharded)",
+                      dict(strategy="ddp_zero1", optimizer="adamw")))
+    if cfg.strategy != "fsdp":
+        tries.append(("strategy='fsdp' (params, grads, optimizer sharded)",
+                      dict(strategy="fsdp", optimizer="adamw" if cfg.optimizer == "zero1"
+                           else cfg.optimizer)))
     mb, acc = cfg.micro_batch, cfg.accum_steps
     while mb > 1:
         mb, acc = mb // 2, acc * 2
         tries.append((f"micro_batch={mb}, accum_steps={acc} (same global batch)",
                       dict(micro_batch=mb, accum_steps=acc)))
-    if cfg.strategy == "ddp":
-        opt = {"optimizer": "adamw"} if cfg.optimizer == "sgd" else {}
-        tries.append(("strategy='ddp_zero1' (optimizer state sharded)", dict(strategy="ddp_zero1", **opt)))
-    if cfg.strategy != "fsdp":
-        tries.append(("strategy='fsdp' (params, grads, optimizer sharded)",
-                      dict(strategy="fsdp", optimizer="adamw" if cfg.optimizer == "zero1" else cfg.optimizer)))
-    smaller_fits = False
+    out, smaller_fits = [], False
     for what, change in tries:
         if smaller_fits and "micro_batch" in change:
             continue  # the largest micro-batch that fits is enough of that kind
@@ -286,35 +400,51 @@ def _alternatives(cfg, budget):
             other = cfg.replace(**change)
         except ValueError:
             continue
-        fig = _figures(other)
-        best = min((_choice(fig, m) for m in _masks(fig)), key=lambda c: c.total)
-        out.append(dict(change=what, predicted=best.total, fits=best.total <= budget,
-                        checkpoint=best.checkpoint, flops_ratio=round(best.flops_ratio, 4)))
-        smaller_fits |= best.total <= budget and "micro_batch" in change
+        best, setting = _peak(other.replace(checkpoint=None)), None
+        if best.bytes > budget and best.phase != "optimizer":  # checkpointing can help there
+            full = _peak(other.replace(checkpoint="full"))
+            if full.bytes < best.bytes:
+                best, setting = full, "full"
+        out.append(dict(change=what, predicted=best.bytes, fits=best.bytes <= budget,
+                        checkpoint=setting, phase=best.phase))
+        smaller_fits |= best.bytes <= budget and "micro_batch" in change
     return out
 
 
 def fits(cfg, gpu):
-    """`Fit` of ``cfg`` as it is (its own checkpoint setting) on a GPU name or a byte count."""
-    from .estimate import estimate
-
-    est = estimate(cfg)
-    mask = cfg.checkpointing.mask
-    keeps = [b.keeps for b, on in zip(est.blocks, mask) if on]
-    predicted = est.params + est.grads + est.optimizer + est.activations + max(keeps, default=0)
-    where = gpu if isinstance(gpu, str) else f"{human_bytes(parse_bytes(gpu, 'gpu'), 'GiB', 2)}"
-    return Fit(predicted, usable_bytes(gpu), where)
+    """`Fit` of ``cfg`` as it is (its own checkpoint setting) on a GPU name or a byte count:
+    the step's simulated peak per rank (the higher of the first step and the steady state,
+    on the heaviest rank) against what the card leaves a step."""
+    usable = usable_bytes(gpu)
+    where = gpu_name(gpu) if isinstance(gpu, str) and not gpu[:1].isdigit() else \
+        fmt_bytes(usable)
+    return Fit(_peak(cfg), usable, where)
 
 
 def largest_micro_batch(cfg, gpu, limit=4096):
     """The largest micro-batch with which ``cfg`` (its checkpoint setting) fits ``gpu``; 0 if
-    none does. Activations grow linearly with the micro-batch: two traces give the line, and
-    the answer is checked with a trace of its own."""
-    one, two = fits(cfg.replace(micro_batch=1), gpu), fits(cfg.replace(micro_batch=2), gpu)
-    if not one:
+    none does. Each phase's peak grows about linearly with the micro-batch (the optimizer
+    step's not at all): two simulated steps give a first guess, and a search by simulated
+    steps around it gives the answer (the answer fits; one more sample does not)."""
+    usable = usable_bytes(gpu)
+
+    def fit(mb):
+        return _peak(cfg.replace(micro_batch=mb)).bytes <= usable
+
+    one, two = _peak(cfg.replace(micro_batch=1)), _peak(cfg.replace(micro_batch=2))
+    if one.bytes > usable:
         return 0
-    per_sample = max(two.predicted - one.predicted, 1)
-    guess = min(limit, 1 + (one.usable - one.predicted) // per_sample)
-    while guess > 1 and not fits(cfg.replace(micro_batch=int(guess)), gpu):
-        guess -= 1
-    return int(guess)
+    guess = limit
+    for phase, at_one in one.by_phase.items():
+        slope = two.by_phase.get(phase, at_one) - at_one
+        if slope > 0:
+            guess = min(guess, 1 + (usable - at_one) // slope)
+    good, bad = 1, limit + 1  # fits / does not (limit + 1: nothing above is asked)
+    guess = int(min(max(guess, 1), limit))
+    while guess < bad and fit(guess):  # gallop up from the guess...
+        good, guess = guess, min(2 * guess, bad)
+    bad = min(bad, guess) if guess > good else bad
+    while bad - good > 1:  # ...then halve the gap
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fit(mid) else (good, mid)
+    return good

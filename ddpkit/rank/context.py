@@ -35,17 +35,17 @@ class Context:
         self.device, self.backend, self.seed = device, backend, seed
         self.is_main = rank == 0
         self._channel = channel
-        self.last_step = None
-        self._next_sync, self._last_sync = 0, None
+        self.new_job()
         self.records = []  # kept here only when there is no kernel to send them to (torchrun)
         self.on_record = None  # under torchrun: called with each record instead of printing it
 
     @classmethod
     def from_env(cls, seed=0, backend=None, device=None):
-        """A Context for a process started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK set);
-        ``backend`` and ``device`` as in `ddpkit.launch`."""
+        """A Context for a process started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) or by
+        srun with RANK and WORLD_SIZE set (the local rank and count then come from SLURM's
+        variables); ``backend`` and ``device`` as in `ddpkit.launch`."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        local = devices.local_rank(rank)  # LOCAL_RANK, or SLURM_LOCALID under srun
         here = devices.local_world_size(world)
         # the choice a spawned run of this machine's ranks gets, so every rank agrees on it
         backend, kind = devices.resolve_devices(here, backend, device)
@@ -54,6 +54,12 @@ class Context:
         else:
             place = torch.device("cpu")
         return cls(rank, world, local, place, backend, seed)
+
+    def new_job(self):
+        """Clear the per-job state (the last step logged, when to talk about settings next):
+        a warm rank starts each job as a fresh one would."""
+        self.last_step = None
+        self._next_sync, self._last_sync = 0, None
 
     def log(self, **fields):
         """Send one record (a flat dict of numbers/strings) to the kernel, now."""

@@ -25,18 +25,50 @@ from .output import Channel, OutputForwarder, dumps_for_kernel
 from .process_group import destroy_group, init_group, set_collective_timeout, start_group
 
 
+# torch 2.13 keeps float32 precision per (backend, op) (the fp32_precision API), besides the
+# legacy matmul precision and cuDNN TF32 flags it still answers for; a rank reproduces all three
+_FP32_KNOBS = [("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("cuda", "conv"),
+               ("cuda", "rnn"), ("mkldnn", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv"),
+               ("mkldnn", "rnn")]
+
+
+def _legacy(read):
+    """A legacy precision getter's answer, or None where torch refuses to answer (it raises
+    when the legacy and the new API were mixed: a rank then refuses too)."""
+    try:
+        return read()
+    except RuntimeError:
+        return None
+
+
 def capture_job_state():
-    """The kernel's determinism flags, as carried into ranks."""
+    """The kernel's determinism flags and float32 precision (TF32), as carried into ranks."""
     return {
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        # torch.set_float32_matmul_precision / backends.cuda.matmul.allow_tf32 (one legacy
+        # setting), backends.cudnn.allow_tf32, and the per-backend table both write into
+        "matmul_precision": _legacy(torch.get_float32_matmul_precision),
+        "cudnn_allow_tf32": _legacy(lambda: torch.backends.cudnn.allow_tf32),
+        "fp32_precision": {k: torch._C._get_fp32_precision_getter(*k) for k in _FP32_KNOBS},
     }
 
 
+def _apply_precision(flags):
+    """The kernel's float32 precision, exactly: the legacy settings first (each also writes some
+    of the table, and keeps a flag of its own that a later job must not inherit), then the
+    table over them. Checked against every sequence of the legacy and new calls."""
+    torch.set_float32_matmul_precision(flags["matmul_precision"] or "highest")
+    allow = flags["cudnn_allow_tf32"]
+    torch.backends.cudnn.allow_tf32 = True if allow is None else allow
+    for (backend, op), value in flags["fp32_precision"].items():
+        torch._C._set_fp32_precision_setter(backend, op, value)
+
+
 def apply_job_state(seed, flags):
-    """Seed every RNG and copy the kernel's determinism flags, before each job."""
+    """Seed every RNG and copy the kernel's determinism and precision flags, before each job."""
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     try:
@@ -51,6 +83,7 @@ def apply_job_state(seed, flags):
         torch.use_deterministic_algorithms(wanted[0], warn_only=wanted[1])
     torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
     torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    _apply_precision(flags)
 
 
 def _place(rank, spec):
@@ -111,8 +144,7 @@ def start_job(ctx, seed, flags=None):
     """What every job starts from, spawned or under torchrun: the context's per-job state
     cleared, every RNG seeded with ``seed``, the kernel's determinism ``flags`` (this process's
     own when None) in force."""
-    ctx.last_step = None
-    ctx._next_sync, ctx._last_sync = 0, None
+    ctx.new_job()
     apply_job_state(seed, capture_job_state() if flags is None else flags)
     ctx.seed = seed
 

@@ -56,12 +56,14 @@ def test_cuda_peak_is_max_memory_allocated_every_step():
     assert all(m["peak_bytes"] >= est.params + est.grads for m in res.metrics)
 
 
-@needs_two
+@needs_one
 @pytest.mark.parametrize("setting", [None, 2, "full"])
-def test_activation_bytes_match_the_estimate_on_cuda(setting):
+def test_activation_bytes_equal_the_estimate_on_cuda(setting):
+    # fp32 attention runs CUDA's efficient kernel here, which keeps a philox seed and offset
+    # and a log-sum-exp rounded up to 32 tokens: the estimate counts them (explore/attention.py)
     res = ddpkit.train(ddpkit.TrainConfig(**CFG[f"activations_{setting}"]))
-    predicted = estimate(res.config).activations
-    assert abs(res.metrics[0]["activation_bytes"] - predicted) <= 0.10 * predicted
+    assert res.run.device == "cuda"  # NCCL with 2+ GPUs, shared over gloo with one
+    assert {m["activation_bytes"] for m in res.metrics} == {estimate(res.config).activations}
 
 
 @needs_one

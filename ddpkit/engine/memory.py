@@ -1,0 +1,377 @@
+"""The step's peak memory: how high it goes, in which phase, and what it is made of.
+
+"Will it fit?" is answered by the highest moment of one optimizer step on one rank: every live
+tensor byte at that moment of forward, backward (with any recompute) and the optimizer step,
+DDP's gradient buckets included. A `Peak` says it the same way for a measurement (this module,
+on a rank) and a prediction (`ddpkit.explore.peak`, a simulated step under FakeTensorMode):
+``bytes``, ``phase`` and ``ledger`` (the bytes of each `KINDS` at that moment, adding up to
+``bytes``), and ``by_phase`` (the highest moment of each phase).
+
+**How a rank measures it** (`PeakProbe`):
+
+* CPU: c10's own count of live CPU allocations. ``FLAGS_caffe2_report_cpu_memory_usage`` makes
+  the CPU allocator's reporter keep every live block's size and a running total (about 2 us per
+  allocation); ddpkit turns it on before the model is built, so the total covers every byte
+  the run allocates: parameters, DDP's buckets (allocated in DDP's constructor), optimizer
+  state, activations, temporaries. A probed step runs inside a CPU profiler window with
+  ``profile_memory=True``; each allocator event there carries that running total, its address
+  and the enclosing ``ddpkit:<phase>`` range (`train_step` marks its phases), so the peak is
+  the highest total of the window, with its phase. Without the flag the profiler sees no frees
+  of blocks allocated before its window and no base at all (what ddpkit read before: DDP's
+  buckets were invisible, and the step where DDP rebuilds them read one bucket set high).
+* CUDA: ``torch.cuda.max_memory_allocated()``, read and reset at each phase boundary, gives
+  each phase's peak; the ledger at the peak phase is then the census of parameters,
+  gradients, optimizer state and buckets at that phase's end plus the measured activations,
+  the rest being temporaries (the CPU ledger is exact to the block; this one is not).
+  ``TrainConfig.memory_snapshot`` records the allocator's history for one step for
+  https://pytorch.org/memory_viz.
+
+``peak_bytes`` leaves out what was allocated before the job and the dataset (on a GPU run it
+stays in host memory; `data_bytes` says how much it is).
+
+**The ledger** (`ledger_at`): the blocks live at the peak, each named by what it was seen to be:
+parameters at the step's start, gradients and optimizer state at its end, DDP's buckets (the
+comm hook's buffers), activations (what the forward saved for backward), FSDP's buffers
+(allocated inside FSDP's all-gather and reduce-scatter); every other block allocated in the
+step is a temporary, every other block from before it is "other" (the micro-batch, small
+buffers). Prediction and measurement classify with this same function.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+KINDS = ("parameters", "gradients", "optimizer_state", "ddp_buckets", "fsdp_buffers",
+         "activations", "temporaries", "other")
+"""What the bytes at the peak are, in the order a ledger lists them."""
+PHASES = ("forward", "backward", "optimizer")
+TIE = 1e-3
+"""Two phases whose highest moments are within this fraction are tied: the earlier is named."""
+# when a block was seen as two things, the first of these names it (a gradient that is a view
+# of a DDP bucket with gradient_as_bucket_view=True is a bucket)
+_PRIORITY = ("parameters", "optimizer_state", "ddp_buckets", "gradients", "activations")
+
+
+@dataclass
+class Peak:
+    """The highest moment of one step on one rank: ``bytes`` in ``phase``, made of ``ledger``
+    (`KINDS` -> bytes, adding up to ``bytes``); ``by_phase``: each phase's highest moment."""
+    bytes: int
+    phase: str
+    ledger: dict
+    by_phase: dict = field(default_factory=dict)
+    exact_ledger: bool = True
+    """False on CUDA without a memory snapshot: the ledger is a census at the phase's end."""
+
+    def __post_init__(self):
+        self.ledger = {k: int(self.ledger.get(k, 0)) for k in KINDS}
+
+    def table(self):
+        """The ledger as a pandas Series in bytes, largest first."""
+        import pandas as pd
+
+        return pd.Series(self.ledger, name="bytes").sort_values(ascending=False)
+
+    def __repr__(self):
+        parts = ", ".join(f"{k} {_fmt(v)}" for k, v in self.ledger.items() if v)
+        return f"Peak({_fmt(self.bytes)} in the {self.phase}: {parts})"
+
+
+def _fmt(n):
+    """Bytes in the largest unit that keeps them >= 1 (the engine's own: it imports nothing
+    from explore/)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def phase_of(by_phase):
+    """The phase of the highest moment: the first (in step order) within `TIE` of the top."""
+    top = max(by_phase.values())
+    return next(p for p, b in by_phase.items() if b >= top * (1 - TIE))
+
+
+# ----------------------------------------------------------------------------- the ledger
+def ledger_at(events, at, base, census, seen):
+    """Bytes by kind at event index ``at``.
+
+    ``events``: allocator events in time order, each ``(size, key, fsdp)`` (size < 0 frees the
+    block at ``key``; ``fsdp``: allocated inside FSDP's collectives). ``base``: bytes live
+    before the first event (what the job had before the step, less what it leaves out).
+    ``census``: kind -> {key: bytes} of blocks live before the step, known by kind.
+    ``seen``: (kind, key, index) observations: the block at ``key`` live at event ``index`` is
+    of that kind (``len(events)``: after the last event). Keys are allocation addresses (a rank) or StorageImpl ids (a simulation).
+    """
+    blocks, live, pre_freed = [], {}, []
+    for i, (size, key, fsdp) in enumerate(events):
+        if size > 0:
+            live[key] = len(blocks)
+            blocks.append([i, len(events) + 1, size, key, fsdp])  # alive past the end
+        else:
+            j = live.pop(key, None)
+            if j is None:
+                pre_freed.append((i, -size, key))  # a block from before the step
+            else:
+                blocks[j][1] = i
+    by_key = {}
+    for b in blocks:
+        by_key.setdefault(b[3], []).append(b)
+    kind_of = {}
+    for kind, key, index in seen:
+        for b in by_key.get(key, ()):
+            if b[0] <= index < b[1]:
+                old = kind_of.get(id(b))
+                if old is None or _PRIORITY.index(kind) < _PRIORITY.index(old):
+                    kind_of[id(b)] = kind
+    out = dict.fromkeys(KINDS, 0)
+    # before the step: the known kinds, less what the step freed of them up to `at`
+    pre_kind = {}
+    for kind in _PRIORITY:
+        for key, size in census.get(kind, {}).items():
+            if key not in pre_kind:
+                pre_kind[key] = kind
+                out[kind] += size
+    out["other"] = base - sum(out.values())
+    for i, size, key in pre_freed:
+        if i <= at:
+            out[pre_kind.get(key, "other")] -= size
+    for b in blocks:
+        if b[0] <= at < b[1]:
+            kind = kind_of.get(id(b)) or ("fsdp_buffers" if b[4] else "temporaries")
+            out[kind] += b[2]
+    return out
+
+
+def summarize(events, totals, base, census, seen):
+    """The `Peak` of a step from its allocator events, measured or simulated alike.
+
+    ``events``: ``(size, key, fsdp, phase)`` in time order; ``totals``: the bytes live after
+    each (what the probe leaves out already taken off); ``base``: live before the first;
+    ``census`` and ``seen`` as `ledger_at` takes them. The peak is the highest total reached
+    inside a phase (between phases only a few scalars are made). None if no phase ran."""
+    by_phase, at = {}, None
+    for i, (event, total) in enumerate(zip(events, totals)):
+        phase = event[3]
+        if phase not in PHASES:
+            continue
+        if total > by_phase.get(phase, -1):
+            by_phase[phase] = total
+        if at is None or total > totals[at]:
+            at = i
+    if at is None:
+        return None
+    compact = [e[:3] for e in events]
+    ledger = ledger_at(compact, at, base, _pre_step(compact, census), seen)
+    # blocks of threads the events do not see (gloo's) move the total without an event
+    ledger["other"] += totals[at] - sum(ledger.values())
+    return Peak(totals[at], phase_of(by_phase), ledger,
+                {p: by_phase[p] for p in PHASES if p in by_phase})
+
+
+# ----------------------------------------------------------------------------- CPU accounting
+_ACCOUNTING = None
+
+
+def cpu_accounting():
+    """Turn on c10's count of every live CPU allocation (``FLAGS_caffe2_report_cpu_memory_usage``,
+    a flag of libc10 read on every allocation and free). Idempotent; True when it is on."""
+    global _ACCOUNTING
+    if _ACCOUNTING is None:
+        _ACCOUNTING = False
+        lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+        for path in sorted(glob.glob(os.path.join(lib_dir, "*c10.*"))):
+            try:  # the library torch loaded already: dlopen returns the same handle
+                flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+            except (OSError, ValueError):
+                continue
+            flag.value = True
+            _ACCOUNTING = True
+            break
+    return _ACCOUNTING
+
+
+def _profile():
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+def _allocations(prof):
+    """The window's CPU allocator events in time order: (time, size, address, running total,
+    phase, inside FSDP's collectives), and the end time of each ``ddpkit:forward`` range."""
+    alloc = torch._C._profiler._ExtraFields_Allocation
+    out, forward_ends = [], []
+    stack = [(n, None, False) for n in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, phase, fsdp = stack.pop()
+        name = node.name
+        if name.startswith("ddpkit:"):
+            phase = name[len("ddpkit:"):]
+            if phase == "forward":
+                forward_ends.append(node.end_time_ns)
+        elif name.startswith(("FSDP::all_gather", "FSDP::post_backward_reduce")):
+            fsdp = True
+        ef = node.extra_fields
+        if isinstance(ef, alloc) and ef.device.type == "cpu":
+            out.append((node.start_time_ns, ef.alloc_size, ef.ptr, ef.total_allocated, phase, fsdp))
+        stack.extend((c, phase, fsdp) for c in node.children)
+    out.sort(key=lambda e: e[0])  # stable: a parent's events before its children's
+    return out, sorted(forward_ends)
+
+
+def cpu_allocated():
+    """Bytes the CPU allocator holds now, by c10's count (0 when the count is off): read from
+    a one-allocation profiler window (~1 ms; the first window in a process takes ~1.5 s)."""
+    if not cpu_accounting():
+        return 0
+    with _profile() as prof:
+        torch.empty(1, dtype=torch.uint8)
+    events, _ = _allocations(prof)
+    return events[0][3] - events[0][1] if events else 0
+
+
+# ----------------------------------------------------------------------------- the probe
+def storages(tensors, by="address"):
+    """{key: bytes} of the tensors' storages (a DTensor's local shard); the key is the data
+    address (``by="address"``, a rank) or the StorageImpl (``by="impl"``, a fake tensor, whose
+    address is 0)."""
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            st = t.untyped_storage()
+            if st.nbytes():
+                out[st.data_ptr() if by == "address" else st._cdata] = st.nbytes()
+    return out
+
+
+def optimizer_tensors(optimizer):
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: the local one
+    return [v for state in inner.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+class PeakProbe:
+    """``with probe.step(model, optimizer, ...):`` around one optimizer step, with
+    ``phase=probe.phase`` given to `train_step`; then ``probe.peak`` is that step's `Peak`.
+
+    Make it before the model is built: on CPU it turns c10's allocation count on then, and
+    ``excluded`` (what the job had already) is read; ``leave_out(nbytes)`` adds more to leave
+    out (the dataset)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.complete = self.cuda or cpu_accounting()
+        self.excluded = torch.cuda.memory_allocated() if self.cuda else cpu_allocated()
+        self.data_bytes = 0
+        self.peak = None
+        self._by_phase = {}
+
+    def leave_out(self, nbytes):
+        """Leave ``nbytes`` (allocated since the probe was made) out of every reading."""
+        self.excluded += nbytes
+        self.data_bytes += nbytes
+
+    def allocated(self):
+        return torch.cuda.memory_allocated() if self.cuda else cpu_allocated()
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        """One phase of the step (`train_step` calls it for each forward, backward, optimizer)."""
+        if not self.cuda:
+            with torch.profiler.record_function(f"ddpkit:{name}"):
+                yield
+            return
+        yield
+        self._by_phase[name] = max(self._by_phase.get(name, 0),
+                                   torch.cuda.max_memory_allocated() - self.excluded)
+        torch.cuda.reset_peak_memory_stats()
+
+    @contextlib.contextmanager
+    def step(self, model, optimizer, buckets=None, activations=None):
+        """``buckets()``: {address: bytes} of DDP's bucket buffers (the comm counter's);
+        ``activations``: the `ActivationProbe` of this step, if it ran (its saved addresses)."""
+        params = storages(model.parameters())
+        grads = storages(p.grad for p in model.parameters())
+        states = storages(optimizer_tensors(optimizer))
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self._by_phase = {}
+            yield self
+            self.peak = self._cuda_peak(model, optimizer, buckets, activations)
+            return
+        with _profile() as prof:
+            yield self
+        events, forward_ends = _allocations(prof)
+        census = {"parameters": params, "gradients": grads, "optimizer_state": states}
+        self.peak = self._cpu_peak(events, forward_ends, census, model, optimizer, buckets,
+                                   activations)
+
+    def _cpu_peak(self, events, forward_ends, census, model, optimizer, buckets, activations):
+        if not events:
+            return None
+        end = len(events)
+        seen = [("parameters", key, 0) for key in census["parameters"]]
+        seen += [(kind, key, end) for kind, tensors in (
+            ("gradients", [p.grad for p in model.parameters()]),
+            ("optimizer_state", optimizer_tensors(optimizer))) for key in storages(tensors)]
+        census["ddp_buckets"] = buckets() if buckets else {}
+        seen += [("ddp_buckets", key, end) for key in census["ddp_buckets"]]
+        if activations is not None:
+            times = [e[0] for e in events]
+            for keys, t_end in zip(activations.saved_addresses, forward_ends):
+                index = _index_at(times, t_end)
+                seen += [("activations", key, index) for key in keys]
+        return summarize([(e[1], e[2], e[5], e[4]) for e in events],
+                         [e[3] - self.excluded for e in events],
+                         events[0][3] - events[0][1] - self.excluded, census, seen)
+
+    def _cuda_peak(self, model, optimizer, buckets, activations):
+        by_phase = {p: self._by_phase[p] for p in PHASES if p in self._by_phase}
+        phase = phase_of(by_phase)
+        grads = storages(p.grad for p in model.parameters()) if phase != "forward" else {}
+        bucket_map = buckets() if buckets else {}
+        ledger = {"parameters": sum(storages(model.parameters()).values()),
+                  "optimizer_state": sum(storages(optimizer_tensors(optimizer)).values()),
+                  "ddp_buckets": sum(bucket_map.values()),
+                  "gradients": sum(v for k, v in grads.items() if k not in bucket_map),
+                  "activations": activations.max_bytes if activations and phase != "optimizer"
+                  else 0}
+        ledger["temporaries"] = max(by_phase[phase] - sum(ledger.values()), 0)
+        return Peak(by_phase[phase], phase, ledger, by_phase, exact_ledger=False)
+
+
+@contextlib.contextmanager
+def cuda_history(path):
+    """The CUDA caching allocator's history of what runs inside (every allocation and free,
+    with Python and C++ stacks), written to ``path``: a pickle that
+    https://pytorch.org/memory_viz draws (``TrainConfig.memory_snapshot``)."""
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _index_at(times, t):
+    """Index of the last event at or before time ``t``."""
+    import bisect
+
+    return max(bisect.bisect_right(times, t) - 1, 0)
+
+
+def _pre_step(events, census):
+    """The census of blocks from before the step: keys allocated in the step are new blocks,
+    not these (DDP's rebuilt buckets at step 1 are new; the first ones were there before)."""
+    fresh = {key for size, key, _ in events if size > 0}
+    out = {}
+    for kind, blocks in census.items():
+        out[kind] = {k: v for k, v in blocks.items() if k not in fresh or kind == "parameters"}
+    return out

@@ -1,0 +1,479 @@
+"""The step's peak, predicted: the rank's own step run once more in the kernel, on fake tensors.
+
+`simulate(cfg, rank)` builds the config's model under ``FakeTensorMode`` (nothing allocated),
+makes torch's ``FakeProcessGroup`` the default group for rank ``rank`` of ``cfg.world_size``
+(collectives return at once; no other process), and runs the rank's own code on top: the
+checkpoint policy, `strategies.wrap` (real DDP, ZeroRedundancyOptimizer, FSDP2
+``fully_shard``), `train_step` with its phase marks, `zero_grad`. A dispatch mode sees every
+storage an op makes (DDP's buckets too: the reducer allocates them through the dispatcher) and
+a weak reference sees it die, so the live bytes are known after every op, and the same
+`ddpkit.engine.memory.summarize` that reads a rank's profiler window turns them into a `Peak`:
+bytes, phase, and the ledger by kind. This is what torch's own
+``torch.distributed._tools.mem_tracker.MemTracker`` does on one process; ddpkit adds the
+process group, the wrappers and the ledger of its measurement, and is ~15x faster on a GPT-2
+step (it keeps no per-module snapshots).
+
+Where the simulation is not the rank's code, it says so here, each with why the bytes agree:
+
+* DDP's constructor checks parameter shapes across ranks and broadcasts rank 0's weights; both
+  read tensor data, which a fake tensor has not, and allocate nothing that lasts: skipped.
+* The fake group's all-reduce returns no value, so the simulation registers its own DDP comm
+  hook with the rank hook's memory: the plain all-reduce works in place on the bucket;
+  ``comm_hook="fp16"/"bf16"`` (torch's ``_compress_hook``) allocates a 2-byte copy of the
+  bucket, all-reduces it and copies it back.
+* DDP rebuilds its buckets in step 1's forward. ``Reducer::initialize_buckets`` clears the old
+  buckets before it allocates the new ones (the same bytes: one flat buffer per bucket of the
+  gradients), and at that moment the gradients are None (`zero_grad` sets them so), so the
+  rebuild never holds both: step 1's peak is the steady state's. The rebuild syncs the new
+  order across ranks by reading tensors, so the simulation keeps the first layout.
+* ``find_unused_parameters``/``static_graph`` are simulated off: the reducer reads its
+  used-parameter map as data. They add one int per parameter.
+* A CUDA rank is simulated on CPU fake tensors (the CPU build cannot run CUDA kernels, not even
+  fake ones): every size is rounded up to the caching allocator's 512-byte blocks; attention
+  keeps what the CUDA kernel the rank would pick keeps (`attention.on_cuda`); the optimizer
+  runs torch's foreach implementation, its default on CUDA; and cuBLAS's workspaces, which
+  torch allocates through the caching allocator on a thread's first matmul and keeps, are in
+  the ledger's "other" (`cublas_workspaces`). These CUDA figures are read from torch's sources,
+  not measured here (no GPU): ``bench/gpu_check.sh`` compares them with
+  ``max_memory_allocated`` the day one is lent.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+import threading
+import types
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..engine import memory, strategies
+from ..engine.memory import PHASES, optimizer_tensors, storages
+from ..engine.probes import ActivationProbe
+from ..engine.spec import build_model
+from ..engine.step import train_step, zero_grad
+
+_LOCK = threading.RLock()  # one fake world at a time (the Lab's threads)
+_BACKEND = "ddpkit_fake"
+CUDA_BLOCK = 512
+
+
+# ----------------------------------------------------------------------------- a fake world
+def _register_backend():
+    if _BACKEND.upper() in dist.Backend.backend_list or _BACKEND in dist.Backend.backend_list:
+        return
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    dist.Backend.register_backend(
+        _BACKEND, lambda common, opts: FakeProcessGroup._create_internal(
+            common.group_rank, common.group_size), extended_api=True, devices=["cpu", "cuda"])
+
+
+@contextlib.contextmanager
+def fake_world(rank, world_size):
+    """The default process group, for the duration, as rank ``rank`` of ``world_size`` in
+    torch's FakeProcessGroup; DDP's two data-reading start-up checks skipped (see above)."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "ddpkit.estimate(...).peak() simulates a rank with a fake default process group, "
+            "and this process has a process group of its own: call it from a kernel (or "
+            "script) that has not called torch.distributed.init_process_group")
+    _register_backend()
+    skipped = {"_verify_param_shape_across_processes": None, "_sync_module_states": None}
+    for name in skipped:
+        skipped[name] = getattr(ddp_module, name)
+        setattr(ddp_module, name, lambda *args, **kwargs: None)
+    dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for name, fn in skipped.items():
+            setattr(ddp_module, name, fn)
+
+
+def _comm_hook(compress):
+    """A DDP comm hook with the memory of ddpkit's (`probes.CommCounter`) on a fake group."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compress)
+
+    def hook(world_size, bucket):
+        buffer = bucket.buffer()
+        if dtype is None:
+            buffer.div_(world_size)
+        else:  # torch's _compress_hook: a 2-byte copy travels, then is copied back
+            sent = buffer.to(dtype).div_(world_size)
+            buffer.copy_(sent)
+            del sent
+        fut = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+    return hook
+
+
+# ----------------------------------------------------------------------------- live storages
+class LiveStorages(TorchDispatchMode):
+    """Every storage an op creates, from creation to death, as allocator-like events
+    ``(size, key, fsdp, phase)`` with the running total after each (``totals``)."""
+
+    def __init__(self, block=1):
+        super().__init__()
+        self.block = block
+        self.events, self.totals = [], []
+        self.total, self.phase, self.fsdp = 0, None, False
+        self.ignore = False  # inside DTensor's sharding propagation (see `_skip_dtensor_meta`)
+        self.forward_ends = []  # event index at the end of each forward
+        self._refs = {}
+
+    def _size(self, nbytes):
+        return -(-nbytes // self.block) * self.block if nbytes else 0
+
+    def _log(self, size, key):
+        self.total += size
+        self.events.append((size, key, self.fsdp, self.phase))
+        self.totals.append(self.total)
+
+    def add(self, storage):
+        key = storage._cdata
+        if key in self._refs or not storage.nbytes():
+            return
+        size = self._size(storage.nbytes())
+        self._refs[key] = (weakref.ref(storage, functools.partial(self._gone, key)), size)
+        self._log(size, key)
+
+    def _gone(self, key, _ref):
+        entry = self._refs.pop(key, None)
+        if entry is not None:
+            self._log(-entry[1], key)
+
+    def resized(self, storage, old):
+        """FSDP2 frees and refills its unsharded parameters with ``storage.resize_``."""
+        key = storage._cdata
+        entry = self._refs.pop(key, None)
+        if entry is not None:
+            self._log(-entry[1], key)
+        elif old:
+            self._log(-self._size(old), key)
+        self.add(storage)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # FSDP's DTensors: see the local ops they run instead
+        out = func(*args, **(kwargs or {}))
+        if self.ignore:
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                self.add(t.untyped_storage())
+        return out
+
+    @contextlib.contextmanager
+    def mark(self, name):
+        """`train_step`'s phase marks."""
+        outer, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self.phase = outer
+            if name == "forward":
+                self.forward_ends.append(len(self.events))
+
+
+@contextlib.contextmanager
+def _watch_storage_resizes(live):
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        old = storage.nbytes()
+        out = original(storage, size)
+        live.resized(storage, old)
+        return out
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+@contextlib.contextmanager
+def _mark_fsdp_collectives(live):
+    """Blocks made inside FSDP2's all-gather and reduce-scatter are FSDP's buffers (on a rank:
+    the ``FSDP::all_gather*`` and ``FSDP::post_backward_reduce`` profiler ranges)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+    except ImportError:
+        yield
+        return
+    names = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+    originals = {n: getattr(group, n) for n in names if hasattr(group, n)}
+
+    def flagged(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            outer, live.fsdp = live.fsdp, True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                live.fsdp = outer
+        return run
+    for n, fn in originals.items():
+        setattr(group, n, flagged(fn))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(group, n, fn)
+
+
+@contextlib.contextmanager
+def _skip_dtensor_meta(live):
+    """DTensor works out each new op's output metadata by running it on global-shape fake
+    tensors (in the active fake mode: ours), then caches the answer per op and sharding: the
+    first simulation would count those tensors, which no rank allocates."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:
+        yield
+        return
+    name = "_propagate_tensor_meta_non_cached"
+    original = getattr(ShardingPropagator, name, None)
+    if original is None:
+        yield
+        return
+
+    @functools.wraps(original)
+    def unseen(self, *args, **kwargs):
+        outer, live.ignore = live.ignore, True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            live.ignore = outer
+    setattr(ShardingPropagator, name, unseen)
+    try:
+        yield
+    finally:
+        setattr(ShardingPropagator, name, original)
+
+
+# ----------------------------------------------------------------------------- the step
+@dataclasses.dataclass
+class Simulation:
+    """One simulated rank: ``peaks[s]`` is step s's `Peak` (step 0 makes the optimizer state;
+    step 1 is the steady state: see the module's note on DDP's rebuild). ``loads``: the
+    parameters each rank's optimizer updates (numel), which says which rank is heaviest."""
+    rank: int
+    peaks: list
+    loads: list
+
+
+def simulate(cfg, rank=0, steps=2):
+    """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
+    `Simulation`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    from ..devices import resolve_devices
+    from ..engine.data import first_batch, make_dataset
+    from .estimate import _as_real_for_transformers
+
+    from .estimate import _on_device, _target
+
+    _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
+    cuda = device == "cuda"
+    target = _target(cfg) if cuda else None
+    # the rank's wrapping, less what a fake group cannot run (the module's notes)
+    wrap_cfg = cfg.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
+                           device="cpu", backend="gloo", precision="fp32" if cfg.precision ==
+                           "fp16" else cfg.precision)
+    real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
+    ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
+    live = LiveStorages(CUDA_BLOCK if cuda else 1)
+    mode = FakeTensorMode()
+    template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                        real_batch)
+    with _LOCK, fake_world(rank, cfg.world_size), torch.random.fork_rng(devices=[]), mode, \
+            live, _watch_storage_resizes(live), _mark_fsdp_collectives(live), \
+            _skip_dtensor_meta(live):
+        model = build_model(cfg)[0].train()
+        cfg.checkpoint_policy().apply(model, cfg.blocks_path)
+        with unset_fake_temporarily():  # a device mesh's rank table is real data
+            mesh_ready = _premade_mesh(wrap_cfg, ctx)
+        wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False, mesh=mesh_ready)
+        buckets = _watch_buckets(wrapped, cfg)
+        gc.collect()  # fake tensors sit in reference cycles: what a rank frees at once, now
+        if cuda:  # torch's default on CUDA: the foreach implementation
+            for group in optimizer.param_groups:
+                if "foreach" in group:
+                    group["foreach"] = True
+        peaks = []
+        for step in range(steps):
+            # collated inside the step, as `RankBatches.micro_batches` (a generator) does
+            batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                                template) for _ in range(cfg.accum_steps))
+            with _on_device(target):
+                peak = _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets,
+                                 _as_real_for_transformers(real_batch))
+            peaks.append(_with_workspaces(peak, target))
+            zero_grad(optimizer)
+        loads = _loads(optimizer, model, cfg.world_size)
+    return Simulation(rank, peaks, loads)
+
+
+def _loads(optimizer, model, world_size):
+    """Numel of the parameters each rank's optimizer updates: ZeRO-1's greedy partition, FSDP's
+    dim-0 chunks (the first ranks take the larger), DDP's whole model on every rank."""
+    if hasattr(optimizer, "_partition_parameters"):
+        return [sum(p.numel() for group in groups for p in group["params"])
+                for groups in optimizer._partition_parameters()]
+    numel = [0] * world_size
+    for p in model.parameters():
+        if hasattr(p, "to_local"):  # torch.chunk's rows: ceil(n / N) each, the last ones fewer
+            rows, row = p.shape[0], p.numel() // max(p.shape[0], 1)
+            size = -(-rows // world_size)
+            for r in range(world_size):
+                numel[r] += min(size, max(rows - r * size, 0)) * row
+        else:
+            numel = [n + p.numel() for n in numel]
+    return numel
+
+
+def cublas_workspaces(target):
+    """Bytes of cuBLAS workspace a CUDA rank's step holds: one per (thread, stream) that runs a
+    matmul (the forward on the rank's thread, the backward on autograd's device thread), each
+    ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` in KiB, summed) or torch's default: 4096 KiB
+    x 8 on compute capability 9.0 and up, else 4096 KiB x 2 + 16 KiB x 8
+    (``CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``)."""
+    import os
+    import re
+
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":(\d+):(\d+)", config or "")
+    if pairs:
+        each = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    else:
+        each = 4096 * 1024 * 8 if target.capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 2 * each
+
+
+def _with_workspaces(peak, target):
+    if target is None or peak is None:
+        return peak
+    extra = cublas_workspaces(target)
+    ledger = {**peak.ledger, "other": peak.ledger["other"] + extra}
+    return memory.Peak(peak.bytes + extra, peak.phase, ledger,
+                       {p: b + extra for p, b in peak.by_phase.items()})
+
+
+def _premade_mesh(cfg, ctx):
+    return None if cfg.strategy != "fsdp" else strategies.fsdp_mesh(ctx.device.type)
+
+
+def _watch_buckets(wrapped, cfg):
+    """Register the simulation's comm hook on DDP; return what it saw of the buckets."""
+    seen = {}
+    if not hasattr(wrapped, "register_comm_hook"):
+        return seen
+    inner = _comm_hook(cfg.comm_hook)
+
+    def hook(state, bucket):
+        st = bucket.buffer().untyped_storage()
+        seen[bucket.index()] = (st._cdata, st.nbytes())
+        return inner(state, bucket)
+    wrapped.register_comm_hook(cfg.world_size, hook)
+    wrapped.reducer = _FirstLayout(wrapped.reducer)
+    return seen
+
+
+class _FirstLayout:
+    """DDP's reducer, less the bucket rebuild (the module's note: it reads tensor data)."""
+
+    def __init__(self, reducer):
+        self.__dict__["_reducer"] = reducer
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self):
+        return False
+
+
+def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real_transformers):
+    start = len(live.events)
+    census = {"parameters": storages(model.parameters(), by="impl"),
+              "gradients": storages((p.grad for p in model.parameters()), by="impl"),
+              "optimizer_state": storages(optimizer_tensors(optimizer), by="impl")}
+    base = live.total
+    live.forward_ends = []
+    acts = ActivationProbe()
+    acts.new_step()
+    with real_transformers:
+        train_step(wrapped, optimizer, batches, accum_steps=cfg.accum_steps,
+                   no_sync=cfg.no_sync and not (cfg.static_graph and step == 0),
+                   precision="fp32" if cfg.precision == "fp16" else cfg.precision, device="cpu",
+                   activation_probe=acts, inner=model, loss_fn=cfg.loss_fn, phase=live.mark,
+                   read_loss=False)
+    end = len(live.events) - start
+    census["ddp_buckets"] = dict(buckets.values())
+    seen = [("parameters", key, 0) for key in census["parameters"]]
+    seen += [(kind, key, end) for kind, tensors in (
+        ("gradients", [p.grad for p in model.parameters()]),
+        ("optimizer_state", optimizer_tensors(optimizer))) for key in storages(tensors, by="impl")]
+    seen += [("ddp_buckets", key, end) for key in census["ddp_buckets"]]
+    for keys, index in zip(acts.saved_keys, live.forward_ends):
+        seen += [("activations", key, index - start) for key in keys]
+    return memory.summarize(live.events[start:], live.totals[start:], base, census, seen)
+
+
+# ----------------------------------------------------------------------------- memoised answers
+_MEMO, _MEMO_LOCK = {}, threading.Lock()
+_NOT_MEMORY = ("steps", "lr", "warmup_steps", "seed", "measure", "save_every", "save_dir",
+               "peak_every", "stall_timeout_s")
+
+
+def _key(cfg, rank):
+    d = cfg.to_dict()
+    return rank, tuple((k, v if isinstance(v, (str, int, float, bool, type(None))) else
+                        (id(v) if callable(v) else repr(v)))
+                       for k, v in d.items() if k not in _NOT_MEMORY)
+
+
+def simulated(cfg, rank):
+    """`simulate(cfg, rank)`, memoised per memory-relevant setting (the Lab and `plan` ask the
+    same question often)."""
+    key = _key(cfg, rank)
+    with _MEMO_LOCK:
+        hit = _MEMO.get(key)
+    if hit is not None and hit[0].model is cfg.model and hit[0].data is cfg.data:
+        return hit[1]
+    sim = simulate(cfg, rank)
+    with _MEMO_LOCK:
+        if len(_MEMO) > 64:
+            _MEMO.clear()
+        _MEMO[key] = (cfg, sim)
+    return sim
+
+
+def predicted_peak(cfg, step=None, rank=None):
+    """The predicted `Peak` of ``cfg``'s step ``step`` (0: the optimizer state is made; 1 or
+    'steady': every step after; None: the higher) on rank ``rank`` (None: the heaviest: the
+    rank whose optimizer updates the most parameters, rank 0 on a tie)."""
+    if step not in (None, 0, 1, "steady"):
+        raise ValueError(f"peak(step={step!r}): pass 0 (the first step, which makes the "
+                         f"optimizer state), 1 or 'steady' (every step after), or None (the higher)")
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < cfg.world_size):
+        raise ValueError(f"peak(rank={rank!r}): pass a rank in 0..{cfg.world_size - 1} or None "
+                         f"(the heaviest)")
+    sim = simulated(cfg, 0 if rank is None else rank)
+    if rank is None:
+        heaviest = max(range(cfg.world_size), key=lambda r: (sim.loads[r], -r))
+        if heaviest != 0:
+            sim = simulated(cfg, heaviest)
+    if step is None:
+        return max(sim.peaks, key=lambda p: p.bytes)
+    return sim.peaks[0 if step == 0 else 1]
