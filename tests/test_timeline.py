@@ -13,13 +13,13 @@ CPU = dict(backend="gloo", device="cpu")
 # 4 blocks of 2 MiB of weights each: 1 MiB buckets make about 9 of them
 BIG = dict(model="mlp", n_blocks=4, width=256, micro_batch=4, world_size=2, steps=4,
            timeline_every=1, **CPU)
-# tolerance of the cross-checks: 6 ms + 10% of the other reading for a time stamp, twice that
-# for a duration (two stamps). An all-reduce row ends in a
-# Python callback on gloo's thread, which waits for the GIL while the rank's main thread runs
-# Python: up to the 5 ms switch interval (sys.getswitchinterval()), 3.8 ms seen. DDP stamps its
-# comm end in its finalizer after waiting on every bucket's future and copying the buckets back
-# into the gradients (~2.5 ms seen on 2 busy cores). Compute and overlap agreed within 0.5 ms.
+# tolerance of the cross-checks. Stamps taken on the rank's main thread (hooks, DDP's comm
+# hook, the autograd callback): 6 ms + 10% of the other reading, twice that for a duration
+# (they agreed within 0.5 ms; the rest is room for a busy machine). The end of an all-reduce is
+# stamped by a Python callback on gloo's thread, which first needs the GIL: while the main
+# thread runs Python or a torch op that holds it, it waits (6.6 ms seen on 2 busy cores).
 TOL_S, TOL_REL = 6e-3, 0.10
+TOL_END_S = 10e-3
 FINALIZER_S = 15e-3  # DDP's comm end trails ours by its finalizer's copies: see the test
 
 
@@ -85,7 +85,7 @@ def test_timeline_agrees_with_ddps_runtime_statistics(small_buckets):
             # the gradients; ours when the last all-reduce's future completed: never later,
             # and earlier by that copy (11 ms seen with 9 buckets on 2 busy cores; 6 ms for
             # step 0's single 8 MiB bucket)
-            assert row.comm_s <= row.ddp_comm_s + TOL_S, row
+            assert row.comm_s <= row.ddp_comm_s + TOL_END_S, row
             assert row.ddp_comm_s - row.comm_s <= FINALIZER_S + TOL_REL * row.ddp_comm_s, row
         for ours, theirs in pairs:
             stamps = 1 if ours.endswith(("start_s", "end_s")) else 2
@@ -126,7 +126,7 @@ def test_allreduce_rows_match_the_profilers_gloo_events(pool):
             # future's callbacks ran, so its end may trail the row's a little)
             assert r[5] <= a, (rank, r, (a, b))
             if r[1] >= 1:  # step 0's one 8 MiB bucket: the event ran on 8 ms past the future
-                assert abs(r[6] - b) <= TOL_S, (rank, r, (a, b))
+                assert abs(r[6] - b) <= TOL_END_S, (rank, r, (a, b))
             # a row starts when DDP hands the bucket over, the event when a gloo thread runs
             # it: after the two all-reduces gloo's threads may be running, and once a core is
             # free (on 2 cores the ranks' backward holds both: waits of ~5 ms were seen)
