@@ -260,3 +260,23 @@ def test_the_lab_draws_the_last_probed_step_at_most_once_a_second():
         lab.wait(timeout=180)
         assert lab.timeline.lanes.layout.title.text.endswith("SIMULATED link 1 Gbit/s")
         assert "SIMULATED" in lab.timeline.exposed.layout.title.text
+
+
+@pytest.mark.parametrize("knobs", [dict(static_graph=True), dict(gradient_as_bucket_view=True)])
+def test_ddps_own_knobs_pass_through_and_keep_the_timeline_whole(pool, knobs):
+    cfg = ddpkit.TrainConfig(**{**BIG, "steps": 4}, bucket_cap_mb=1, **knobs)
+    res = ddpkit.train(cfg, pool=pool)
+    tl, windows = res.timeline, {(m["rank"], m["step"]): m["timeline_window"] for m in res.metrics}
+    assert set(tl.step) == {0, 1, 2, 3}
+    for row in tl.itertuples():
+        lo, hi = windows[(row.rank, row.step)]
+        assert lo <= row.start_s <= row.end_s <= hi, row
+    want = rebuilt_buckets(res.ddp_stats)
+    # a static graph's buckets are rebuilt after its second iteration, others' after the first
+    rebuilt = 2 if knobs.get("static_graph") else 1
+    for (rank, step), g in tl.groupby(["rank", "step"]):
+        got = list(g[g.kind == "allreduce"].sort_values("bucket")["bytes"])
+        assert got == (want if step >= rebuilt else [sum(want)]), (rank, step)
+    if knobs.get("static_graph"):  # DDP holds every all-reduce of step 0 to the end of backward
+        for _, g in tl[tl.step == 0].groupby("rank"):
+            assert g[g.kind == "allreduce"].start_s.min() >= blocks(g, "backward").end_s.max()
