@@ -44,9 +44,10 @@ def llama_100m():
                                         max_position_embeddings=1024, use_cache=False))
 
 
-def rows(quick=False):
+def rows(quick=False, device="cpu"):
     """(name, config) for each row: one setting changed at a time from each model's base."""
-    run = dict(world_size=2, steps=3, peak_every=1, backend="gloo", device="cpu", optimizer="adamw")
+    run = dict(world_size=2, steps=3, peak_every=1, device=device, optimizer="adamw",
+               backend="gloo" if device == "cpu" else None)
     gpt = dict(model=gpt2_small, seq_len=128, micro_batch=1, **run)
     llama = dict(model=llama_100m, seq_len=256, micro_batch=2, **run)
     out = [("GPT-2 s128 b1", gpt),
@@ -131,7 +132,9 @@ def measure(name, cfg):
         err = (p.bytes - m["peak_bytes"]) / m["peak_bytes"]
         worst = err if abs(err) > abs(worst) else worst
         phases &= p.phase == m["peak_phase"]
-        if "rss_peak_bytes" in m and m["step"] >= 1:  # step 0's blocks are touched as made
+        # step 1: c10's count is on from the start to then (step 0's blocks are touched as
+        # they are made, so its resident memory lags)
+        if "rss_peak_bytes" in m and m["step"] == 1 and cfg.device != "cuda":
             # the OS sees the dataset too, which the probe leaves out
             rss_err = (m["rss_peak_bytes"] - m["data_bytes"] - m["peak_bytes"]) / m["peak_bytes"]
             rss_worst = rss_err if abs(rss_err) > abs(rss_worst) else rss_worst
@@ -148,20 +151,25 @@ def measure(name, cfg):
 
 
 def main(argv=None):
+    """``--quick``: 4 rows; ``--device cuda``: on GPUs (NCCL with 2, else the shared-GPU mode),
+    against ``max_memory_allocated``: the first two rows (``bench/gpu_check.sh`` runs them)."""
     argv = sys.argv[1:] if argv is None else argv
+    device = argv[argv.index("--device") + 1] if "--device" in argv else "cpu"
     # before any rank starts: glibc maps every block of 64 KiB and more on its own (see above)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     out, ok = [], True
-    for name, kw in rows(quick="--quick" in argv):
+    chosen = rows(quick="--quick" in argv, device=device)
+    for name, kw in (chosen[:2] if device == "cuda" else chosen):
         row, good = measure(name, ddpkit.TrainConfig(**kw))
         out.append(row)
         ok &= good
-    text = (f"## The step's peak at real sizes (`python -m bench.peak`)\n\n{machine()}; 2 gloo "
-            f"ranks, steps 0, 1 and 2 of each rank probed. *peak*: the highest measured (MiB, "
+    text = (f"## The step's peak at real sizes (`python -m bench.peak`)\n\n{machine()}; 2 "
+            f"{'gloo' if device == 'cpu' else device} ranks, steps 0, 1 and 2 of each rank probed. "
+            f"*peak*: the highest measured (MiB, "
             f"per rank); *made of*: its ledger (MiB, kinds above 1 MiB); *worst error*: the "
             f"largest (predicted - measured) / measured over every rank and step; *phase*: "
             f"the predicted phase equals the measured one at every rank and step; *RSS*: the "
-            f"same peak read from each rank's resident memory (steps 1 and 2), as (RSS - "
+            f"same peak read from each rank's resident memory (step 1), as (RSS - "
             f"measured) / measured; *predict s*: the cold simulation of both ranks and steps.\n\n"
             + table(["row", "peak MiB", "phase", "made of (MiB)", "worst error", "phase agrees",
                      "RSS", "predict s"], out)

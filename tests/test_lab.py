@@ -316,3 +316,49 @@ def test_the_all_reduce_axis_counts_whole_calls_from_zero():
         plots.add({**rec, "allreduce_calls": 8})
     plots.flush(force=True)
     assert plots.timing.layout.yaxis2.range[1] > 8 and plots.timing.layout.yaxis2.dtick == 2
+
+
+def _until(check, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.05)
+
+
+def test_the_readout_shows_the_steps_predicted_peak(lab):
+    lab.set(segments=2)
+    want = ddpkit.estimate(lab.config()).peak()
+    # the simulated step runs on the read-out's own thread: the kernel is not held up
+    _until(lambda: "the step's peak" in lab.estimate_html.value)
+    text = html.unescape(lab.estimate_html.value)
+    assert f"the step's peak</b>: {ddpkit.explore.units.fmt_bytes(want.bytes)} in the " \
+           f"{want.phase}" in text
+
+
+def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
+    lab.set(steps=4)
+    lab.run()
+    lab.wait(timeout=120)
+    panel = lab.peaks
+
+    def predicted():
+        panel.refresh(force=True)
+        return "%" in panel.table.value and "simulating" not in panel.table.value
+    _until(predicted)
+    last = {m["rank"]: m for m in lab.metrics if "peak_bytes" in m}
+    rows = re.findall(r"<tr><td>rank (\d), step (\d+)</td><td>(.*?)</td><td>(.*?)</td>"
+                      r"<td>([-+\d.]+)%</td></tr>", panel.table.value)
+    assert sorted(int(r[0]) for r in rows) == [0, 1]
+    for rank, step, measured, predicted, err in rows:
+        m = last[int(rank)]
+        want = ddpkit.estimate(lab.config()).peak(step=min(m["step"], 1), rank=m["rank"])
+        assert int(step) == m["step"] and f"in the {m['peak_phase']}" in measured
+        assert f"in the {want.phase}" in predicted and abs(float(err)) <= 3
+    # one stacked bar per rank measured, one predicted; each bar's segments add up to its peak
+    bars = {}
+    for trace in panel.figure.data:
+        for name, x in zip(trace.y, trace.x):
+            bars[name] = bars.get(name, 0) + x
+    assert set(bars) == {"r0 measured", "r1 measured", "r0 predicted"}
+    unit = dict(ddpkit.explore.units.UNITS)[panel.figure.layout.xaxis.title.text]
+    assert bars["r0 measured"] * unit == pytest.approx(last[0]["peak_bytes"], rel=1e-9)

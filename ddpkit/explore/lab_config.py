@@ -4,6 +4,7 @@ settings that may change are sent to the ranks). Widgets only edit a config."""
 from __future__ import annotations
 
 import html
+import threading
 
 from ..engine.policies import CheckpointSetting
 from .estimate import estimate
@@ -18,6 +19,10 @@ class ConfigSync:
         self.view, self.cfg, self.running, self.send = view, cfg, running, send
         self._syncing = False
         self._selective = False
+        self._wanted = None  # (generation, config, estimate) whose peak the read-out shows
+        self._generation = 0  # one more per read-out: a late peak of an older one is dropped
+        self._wake = threading.Condition()
+        threading.Thread(target=self._peaks, name="ddpkit-lab-peak", daemon=True).start()
 
     def read_config(self, cfg):
         """Set the controls from a config (without sending anything mid-run)."""
@@ -87,6 +92,8 @@ class ConfigSync:
 
     def update_estimate(self):
         view = self.view
+        with self._wake:
+            self._generation += 1
         try:
             cfg = self.config()
         except ValueError as exc:
@@ -94,12 +101,29 @@ class ConfigSync:
             view.run_button.disabled = True
             return
         e = estimate(cfg)
-        view.estimate_html.value = (
-            f"<div style='line-height:1.35'><b>predicted per rank</b>: params "
-            f"{fmt_bytes(e.params)}, grads {fmt_bytes(e.grads)}, optimizer "
-            f"{fmt_bytes(e.optimizer)}, activations {fmt_bytes(e.activations)} (one "
-            f"micro-batch); total {fmt_bytes(e.total)}</div>")
+        view.estimate_html.value = _readout(e, "<i>simulating the step...</i>")
         view.run_button.disabled = self.running()
+        with self._wake:  # the peak takes a simulated step: on a thread, the latest config only
+            self._wanted = (self._generation, cfg, e)
+            self._wake.notify()
+
+    def _peaks(self):
+        while True:
+            with self._wake:
+                while self._wanted is None:
+                    self._wake.wait()
+                generation, cfg, e = self._wanted
+                self._wanted = None
+            try:
+                p = e.peak()
+                top = sorted(((v, k) for k, v in p.ledger.items() if v), reverse=True)[:3]
+                text = (f"<b>the step's peak</b>: {fmt_bytes(p.bytes)} in the {p.phase} ("
+                        + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for v, k in top) + ")")
+            except Exception as exc:  # noqa: BLE001 (shown in the read-out, never raised here)
+                text = f"<span style='color:#b00'>{html.escape(f'{type(exc).__name__}: {exc}')}</span>"
+            with self._wake:
+                if generation == self._generation:  # no newer read-out meanwhile
+                    self.view.estimate_html.value = _readout(e, text)
 
     def show_torchrun(self):
         view = self.view
@@ -108,3 +132,10 @@ class ConfigSync:
         except ValueError as exc:  # a notebook-defined model has no import path
             view.torchrun_text.value = str(exc)
         view.torchrun_text.layout.display = ""
+
+
+def _readout(e, peak_text):
+    return (f"<div style='line-height:1.35'><b>predicted per rank</b>: params "
+            f"{fmt_bytes(e.params)}, grads {fmt_bytes(e.grads)}, optimizer "
+            f"{fmt_bytes(e.optimizer)}, activations {fmt_bytes(e.activations)} (one "
+            f"micro-batch); {peak_text}</div>")

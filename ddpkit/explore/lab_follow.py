@@ -13,10 +13,10 @@ from .lab_history import history_html, history_row
 
 class RunFollower:
     """``view``: the `LabView`; ``plots``: its `LivePlots`; ``history``: the Lab's list of rows
-    (a row is added when a run ends)."""
+    (a row is added when a run ends); ``peaks``: the `PeakPanel` beside the memory plot."""
 
-    def __init__(self, view, plots, history, timeline=None):
-        self.view, self.plots, self.history = view, plots, history
+    def __init__(self, view, plots, history, peaks=None, timeline=None):
+        self.view, self.plots, self.history, self.peaks = view, plots, history, peaks
         self.timeline = timeline  # [timeline] `LiveTimeline`: swimlanes, at most once a second
         self.metrics = []
         self.thread = None
@@ -43,6 +43,8 @@ class RunFollower:
         self.metrics.append(record)
         self._rank0_steps += record["rank"] == 0
         self.plots.add(record)
+        if self.peaks is not None:
+            self.peaks.add(record)
         if self.timeline is not None:
             self.timeline.add(record)
 
@@ -61,7 +63,11 @@ class RunFollower:
             if self.plots.flush(force=True) and time.monotonic() - shown >= 0.5:
                 self._update_progress(cfg)
                 shown = time.monotonic()
+            if self.peaks is not None:
+                self.peaks.refresh()  # at most once a second
         self.plots.flush(force=True)
+        if self.peaks is not None:
+            self.peaks.refresh(force=True)
         if self.timeline is not None:
             self.timeline.flush(force=True)
         self.plots.sync()  # the figures' own state gets the points, for a re-rendered view

@@ -196,6 +196,13 @@ class LivePlots:
     def figures(self):
         return [self.loss, self.memory, self.timing]
 
+    def place(self, widget, after):
+        """Put ``widget`` into the grid right after figure ``after`` (the Lab's peak panel goes
+        beside the memory plot)."""
+        kids = list(self.widget.children)
+        kids.insert(kids.index(after) + 1, widget)
+        self.widget.children = tuple(kids)
+
     # --- runs
     def new_run(self, world_size, predict=None, label="run", n_blocks=None):
         """Fade the traces of the run before (dropping older ones) and start fresh ones.

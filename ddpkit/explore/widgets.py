@@ -20,6 +20,7 @@ from .lab_config import ConfigSync
 from .lab_follow import RunFollower
 from .lab_runs import LabRunner
 from .lab_view import LabView
+from .peak_panel import PeakPanel
 from .plots import LivePlots
 from .timeline import LiveTimeline, link_label
 
@@ -44,11 +45,14 @@ class Lab:
         self.timeline = LiveTimeline(self.cfg.world_size, max_hz=1.0)  # [timeline] swimlanes
         # a budget or a GPU in: the block toggles set to the plan, through this Lab's `set`
         self.planner = PlanPanel(self)
+        self.peaks = PeakPanel()  # beside the memory plot: each rank's peak, and its ledger
+        self.plots.place(self.peaks.widget, after=self.plots.memory)
         self.view = LabView(self.cfg, self.plots, self.planner, self.timeline)
         self.sync = ConfigSync(self.view, self.cfg, lambda: self.running,
                                lambda **kw: self._handle.send_control(**kw))
         self.runner = LabRunner(self.view)
-        self.follower = RunFollower(self.view, self.plots, self.history, self.timeline)
+        self.follower = RunFollower(self.view, self.plots, self.history, self.peaks,
+                                    self.timeline)
         v = self.view  # the widgets people and tests reach through the Lab
         self.controls, self.block_toggles, self.widget = v.controls, v.block_toggles, v.widget
         self.run_button, self.stop_button, self.progress = v.run_button, v.stop_button, v.progress
@@ -131,6 +135,7 @@ class Lab:
         self.plots.new_run(cfg.world_size, label=f"run {len(self.history)}", n_blocks=cfg.n_blocks,
                            predict=lambda rec: activation_bytes(
                                cfg, CheckpointSetting.of(rec["checkpoint"], cfg.n_blocks)))
+        self.peaks.new_run(cfg)
         self.timeline.new_run(cfg.world_size, link_label(cfg))  # [timeline]
         self.view.set_running(True)
         self.follower.clock()
