@@ -130,7 +130,7 @@ def check_fits(page, tmp, size):
     page.evaluate("() => document.querySelector('.ddpkit-lab .js-plotly-plot').scrollIntoView()")
     page.wait_for_timeout(300)
     fit = page.evaluate(FIT)
-    assert fit["plots"] == 5 and fit["checked"] > 10, fit  # 3 live plots, 2 timeline figures
+    assert fit["plots"] == 6 and fit["checked"] > 10, fit  # 3 live plots, the peaks, 2 timeline
     assert fit["bad"] == [], (size, fit["bad"])
     boxes = page.evaluate(MARKS)
     for i, a in enumerate(boxes):
