@@ -168,6 +168,28 @@ def test_sweep_gives_one_row_per_combination(pool):
     assert table.final_loss[3] == table.result[3].summary()["final_loss"]
 
 
+def test_sweep_progress_shows_only_the_current_settings_loss(pool, capfd):
+    """The bar's loss belongs to the setting its description names: none shown when a setting
+    starts (not the previous setting's last loss), then that setting's own."""
+    import re
+
+    table = ddpkit.sweep(ddpkit.TrainConfig(**{**TINY, "steps": 3}), pool=pool, seed=[0, 1])
+    frames = [f.strip() for f in capfd.readouterr().err.replace("\n", "\r").split("\r")]
+    own = {f"seed={sd}": {f"{v:.4f}" for v in res.per_rank("loss", 0)}
+           for sd, res in zip(table.seed, table.result)}
+    assert own["seed=0"].isdisjoint(own["seed=1"])  # each setting's losses tell it apart
+    shown = {}
+    for f in frames:
+        m = re.match(r"(seed=\d): .*?(?:loss=([\d.]+))?\]$", f)
+        if m:
+            shown.setdefault(m[1], []).append(m[2])
+    assert list(shown) == ["seed=0", "seed=1"], frames
+    for label, losses in shown.items():
+        assert losses[0] is None, (label, losses)  # the frame drawn as the setting starts
+        assert {v for v in losses if v} <= own[label], (label, losses, own)
+    assert any(shown["seed=1"])  # its own loss did show
+
+
 def test_tradeoff_marks_the_pareto_frontier():
     import pandas as pd
     from ddpkit.explore.demo import pareto

@@ -193,7 +193,8 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
             if key not in pools:
                 pools[key] = Pool(*key)
             label = ", ".join(f"{k}={_label(k, v, c)}" for k, v in combo.items())
-            if bar is not None:
+            if bar is not None:  # a new setting: no loss shown until its own first step lands
+                bar.set_postfix_str("", refresh=False)
                 bar.set_description(label)
             res = train(c, pool=pools[key], on_metric=_bar_updater(bar))
             s = res.summary()
