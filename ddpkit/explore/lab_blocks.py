@@ -44,8 +44,7 @@ class BlockControl:
                                       style=STYLE, layout=W.Layout(width="auto",
                                                                    max_width="380px"))
         self.every = W.BoundedIntText(1, min=1, max=max(n, 1), description="every",
-                                      style={"description_width": "40px"},
-                                      layout=W.Layout(width="100px"))
+                                      style=STYLE, layout=W.Layout(width="170px"))
         self.on_button = W.Button(description="checkpoint", icon="check",
                                   tooltip="checkpoint the blocks the range and 'every' pick",
                                   layout=W.Layout(width="auto"))
@@ -55,6 +54,7 @@ class BlockControl:
         self.on_button.on_click(lambda _: self._pick(True))
         self.off_button.on_click(lambda _: self._pick(False))
         for t in self.toggles:
+            t.observe(lambda change: self._paint(change["owner"]), names="value")
             t.observe(self._on_toggle, names="value")
         row = W.Box([self.every, self.on_button, self.off_button],
                     layout=W.Layout(display="flex", flex_flow="row wrap", align_items="center"))
@@ -93,6 +93,11 @@ class BlockControl:
         finally:
             self._quiet = False
         self._say(setting)
+
+    @staticmethod
+    def _paint(toggle):
+        # a checkpointed block in colour: a pressed toggle alone is a shade of grey
+        toggle.button_style = "info" if toggle.value else ""
 
     def picked(self):
         """The block indices the range and 'every' pick: i, i+k, ... up to j."""
