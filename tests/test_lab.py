@@ -144,6 +144,28 @@ def test_the_lab_shows_doctor_findings_before_the_run():
         assert lab.wait(timeout=120)["status"] == "ok"
 
 
+def test_the_yellow_box_is_for_what_to_act_on_and_notes_stay_quiet(recwarn):
+    """GPT-2 as transformers ships it (use_cache=True), checkpointed: the doctor's check before a
+    run (what Run does first) puts its note in a folded grey line, not the yellow box, and warns
+    of nothing; a finding to act on still gets the box."""
+    pytest.importorskip("transformers")
+    import fixtures_module as fm
+
+    cfg = ddpkit.TrainConfig(model=fm.make_gpt2, micro_batch=2, seq_len=16, checkpoint=2)
+    with ddpkit.Lab(cfg) as lab:
+        found = lab.runner.check(lab.config())
+        assert [(f.pitfall, f.severity) for f in found] == [("hf_use_cache", "note")]
+        assert "#fff4d6" not in lab.banner.value  # no yellow box
+        assert "<details class='ddpkit-notes'" in lab.banner.value
+        assert "1 note (hf_use_cache), nothing to act on" in lab.banner.value
+        assert not [w for w in recwarn if "ddpkit.doctor" in str(w.message)]
+        lab.set(use_reentrant=True)
+        with pytest.warns(UserWarning, match="reentrant_find_unused"):
+            found = lab.runner.check(lab.config().replace(find_unused_parameters=True))
+        assert "reentrant_find_unused" in [f.pitfall for f in found.warnings]
+        assert "#fff4d6" in lab.banner.value and "ddpkit-notes" in lab.banner.value
+
+
 def test_lab_runs_a_transformers_model_with_its_own_blocks():
     pytest.importorskip("transformers")
     import fixtures_module as fm
@@ -467,3 +489,17 @@ def test_a_lab_shows_once_as_a_widget_does(tmp_path):
     assert [len(v) for v in views] == [0, 0, 1, 1, 1, 0]
     lab_id = nb.cells[5].outputs[0]["data"]["text/plain"].strip("'")
     assert views[2] == views[4] == [lab_id] != views[3]
+
+
+def test_python_ending_while_the_readout_simulates_exits_cleanly():
+    """A script (or kernel) that ends right after making a Lab, its read-out still simulating
+    the step on a thread, exits with 0, not an abort from torch's C++ (exit code 134)."""
+    import subprocess
+    import sys
+
+    code = ("import ddpkit\nlab = ddpkit.Lab(ddpkit.TrainConfig(model='gpt', n_blocks=8, "
+            "width=16, seq_len=16))\nassert 'simulating' in lab.estimate_html.value\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr
