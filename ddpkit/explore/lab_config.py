@@ -3,31 +3,13 @@ controls describe, what a moved control does (the estimate read-out follows it; 
 settings that may change are sent to the ranks). Widgets only edit a config."""
 from __future__ import annotations
 
-import atexit
 import html
 import threading
-import time
 
 from ..engine.policies import CheckpointSetting
+from . import background
 from .estimate import estimate
 from .units import fmt_bytes
-
-
-_SIMULATING = set()  # the read-outs' threads now inside a simulated step
-_GUARD = threading.Lock()
-_ENDING = []  # non-empty once the interpreter ends: no simulation starts after that
-
-
-@atexit.register
-def _let_simulations_end():
-    # a daemon thread still inside torch's C++ when the interpreter ends aborts the whole process
-    # ("terminate called without an active exception", exit code 134): a kernel or pytest that
-    # ends while a read-out simulates an 80-block step waits for that step (seconds) instead
-    with _GUARD:
-        _ENDING.append(True)
-    deadline = time.monotonic() + 600
-    while _SIMULATING and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 class ConfigSync:
@@ -128,20 +110,13 @@ class ConfigSync:
                     self._wake.wait()
                 generation, cfg, e = self._wanted
                 self._wanted = None
-            me = threading.current_thread()
-            with _GUARD:
-                if _ENDING:
-                    return
-                _SIMULATING.add(me)
             try:
-                p = e.peak()
+                p = background.run(e.peak)  # Python's end waits for it
                 top = sorted(((v, k) for k, v in p.ledger.items() if v), reverse=True)[:3]
                 text = (f"<b>the step's peak</b>: {fmt_bytes(p.bytes)} in the {p.phase} ("
                         + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for v, k in top) + ")")
             except Exception as exc:  # noqa: BLE001 (shown in the read-out, never raised here)
                 text = f"<span style='color:#b00'>{html.escape(f'{type(exc).__name__}: {exc}')}</span>"
-            finally:
-                _SIMULATING.discard(me)
             with self._wake:
                 if generation == self._generation:  # no newer read-out meanwhile
                     self.view.estimate_html.value = _readout(e, text)
