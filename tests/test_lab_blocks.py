@@ -93,3 +93,23 @@ def test_a_range_edit_mid_run_lands_as_one_change():
     step = row["changes"][0][0]
     assert [m["checkpoint"] for m in lab.metrics if m["step"] == step] == [want] * 2
     assert f"step {step}: blocks 0-9, every 3rd" in [a.text for a in lab.plots.loss.layout.annotations]
+
+
+def test_the_block_control_groups_blocks_by_stack():
+    """Ready for models with several stacks (an encoder and a decoder): each stack its header and
+    grid, the toggles one list in model order, so the setting counts blocks as the model does."""
+    import ipywidgets as W
+
+    from ddpkit.explore.lab_blocks import BlockControl
+
+    ctl = BlockControl([("encoder.layer", [f"encoder.layer.{i}" for i in range(3)]),
+                        ("decoder.layer", [f"decoder.layer.{i}" for i in range(2)])])
+    assert [t.description for t in ctl.toggles] == ["0", "1", "2", "0", "1"]
+    assert ctl.toggles[3].tooltip == "checkpoint decoder.layer.0"
+    heads = [box.children[0].value for box in ctl.widget.children if isinstance(box, W.VBox)]
+    assert heads == ["<code>encoder.layer</code>: 3 blocks", "<code>decoder.layer</code>: 2 blocks"]
+    seen = []
+    ctl.on_change(seen.append)
+    ctl.toggles[3].value = True
+    assert seen == [CheckpointSetting.from_mask([False, False, False, True, False])]
+    assert "block 3 <span style='color:#666'>(1 of 5 blocks)" in ctl.summary.value
