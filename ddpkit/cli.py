@@ -99,6 +99,8 @@ def _train(args):
     finally:
         progress.close()
     print(summary_table(cfg, res.metrics))
+    for f in getattr(res.findings, "notes", []):  # the warnings went to stderr before the run
+        print(f"note [{f.pitfall}] at {f.where}: {f.message}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res.metrics, fh)

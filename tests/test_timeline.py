@@ -238,7 +238,7 @@ def test_timeline_off_records_nothing_and_the_cli_takes_the_knobs(pool):
 def test_the_lab_draws_the_last_probed_step_at_most_once_a_second():
     cfg = ddpkit.TrainConfig(model="mlp", n_blocks=4, width=64, world_size=2, micro_batch=4,
                              steps=400, timeline_every=5, **CPU)
-    with ddpkit.Lab(cfg, display=False) as lab:
+    with ddpkit.Lab(cfg) as lab:
         lab.set(bucket_cap_mb=0.25, link_gbps=1.0)  # the slider and the link, as a person would
         assert (lab.config().bucket_cap_mb, lab.config().link_gbps) == (0.25, 1.0)
         lab.set(link_gbps=0.0)

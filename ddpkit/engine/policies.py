@@ -136,7 +136,8 @@ class CheckpointSetting:
         return out
 
     def label(self):
-        """What a person reads: 'no checkpointing', '2 segments', 'blocks 0, 2', 'every block'."""
+        """What a person reads, short at any block count: 'no checkpointing', '2 segments',
+        'blocks 0, 2', 'blocks 0-9, 11', 'blocks 0-78, every 2nd', 'every block'."""
         v, mask = self.value, self.mask
         if not any(mask):
             return "no checkpointing"
@@ -144,8 +145,8 @@ class CheckpointSetting:
             return "every block"
         if isinstance(v, int):
             return f"{v} segments"
-        on = [str(i) for i, b in enumerate(mask) if b]
-        return ("block " if len(on) == 1 else "blocks ") + ", ".join(on)
+        on = [i for i, b in enumerate(mask) if b]
+        return ("block " if len(on) == 1 else "blocks ") + _indices_text(on, self.n_blocks)
 
     def __str__(self):
         """The one text form: 'none', '2', 'full', '1,0,1,0,' (`parse` reads it back)."""
@@ -160,6 +161,25 @@ class CheckpointSetting:
         """The `CheckpointPolicy` that runs this setting (``use_reentrant`` is always passed
         to torch explicitly)."""
         return CheckpointPolicy(self, use_reentrant, preserve_rng_state)
+
+
+def _indices_text(on, n, most=6):
+    """Block indices as a person reads them: '0, 2'; runs of three or more as '0-9'; a regular
+    stride as '0-78, every 2nd'; past ``most`` parts, the first and the last with the count."""
+    step = on[1] - on[0] if len(on) > 1 else 0
+    if len(on) >= 4 and step > 1 and all(b - a == step for a, b in zip(on, on[1:])):
+        nth = {2: "2nd", 3: "3rd"}.get(step, f"{step}th")
+        return f"{on[0]}-{on[-1]}, every {nth}"
+    runs = []
+    for i in on:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    parts = [p for a, b in runs for p in ([f"{a}-{b}"] if b - a >= 2 else map(str, range(a, b + 1)))]
+    if len(parts) > most:
+        return ", ".join(parts[:most - 2] + ["…", parts[-1]]) + f" ({len(on)} of {n})"
+    return ", ".join(parts)
 
 
 def _blocks_text(a, b):
