@@ -62,7 +62,7 @@ MODE=$([ "$GPUS" -ge 2 ] && echo "NCCL, one GPU per rank" || echo "1 GPU shared 
 # a cold 2-rank launch 3.6 s and a 3-step tiny GPT train 7.7 s; with 9 ranks 13 s and 33 s;
 # notebooks 01 and 02 under nbmake 58 s and 56 s; bench.launch --repeat 2 59 s; bench.overhead
 # --rounds 1 --steps 8 25 s. A GPU box has cores for every rank, and each rank pays CUDA's and
-# NCCL's start-up (a few seconds). tests/gpu starts 19 runs: 16 of 1-2 ranks, 3 of GPUs+1 ranks
+# NCCL's start-up (a few seconds). tests/gpu starts 20 runs: 17 of 1-2 ranks, 3 of GPUs+1 ranks
 # (the shared-GPU runs), so its limit grows with the GPU count; capped so the whole stays <= 300.
 # The sequential stages' limits plus 5 s of grace each (timeout's --kill-after) add up to 300 s.
 # bench.peak --device cuda (two GPT-2 small runs, 3 steps each, and their simulations, about

@@ -49,6 +49,8 @@ def _config_parser(parser):
                                 help="true | false | activations,peak,comm")
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif default is None and "float" in str(f.type):  # bucket_cap_mb, link_gbps
+            parser.add_argument(flag, type=float, default=None)
         elif default is None:  # backend, device, comm_hook, save_dir: optional strings
             parser.add_argument(flag, default=None)
         else:
@@ -97,6 +99,8 @@ def _train(args):
     finally:
         progress.close()
     print(summary_table(cfg, res.metrics))
+    for f in getattr(res.findings, "notes", []):  # the warnings went to stderr before the run
+        print(f"note [{f.pitfall}] at {f.where}: {f.message}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res.metrics, fh)

@@ -65,8 +65,16 @@ class TrainConfig:
     no_sync: bool = True
     """Skip DDP's all-reduce on all but the last micro-batch (DDP.no_sync())."""
     static_graph: bool = False
+    """DDP's ``static_graph``: the set of used parameters and the graph are the same every
+    iteration, so DDP can skip re-checking them (and keep bucket order fixed after step 1)."""
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
+    """DDP's ``gradient_as_bucket_view``: gradients are views into the all-reduce buckets (no
+    copy into the bucket, one gradient-sized buffer less)."""
+    bucket_cap_mb: float | None = None
+    """DDP's ``bucket_cap_mb``: gradients are all-reduced in buckets of at most this many MiB,
+    each started as soon as its gradients are ready, so communication overlaps the rest of
+    backward. None: torch's default (25 MiB, the first bucket 1 MiB)."""
     strategy: str = "ddp"
     """'ddp'; 'ddp_zero1' (DDP + ZeroRedundancyOptimizer: optimizer state sharded); 'fsdp'
     (FSDP2 fully_shard per block, then the root: params, grads and optimizer state sharded)."""
@@ -106,6 +114,17 @@ class TrainConfig:
     profiler window, which roughly doubles that one step's time; 1 probes every step. Activation
     bytes are measured at the first step, every peak_every steps and at a change, and each
     record carries the last measurement (they depend only on the setting and the batch shapes)."""
+    timeline_every: int = 50
+    """Record a timeline (forward and backward per block, recompute, each bucket's all-reduce,
+    the optimizer) on steps every-1, 2*every-1, ... (1: every step; 0: off); `TrainResult.
+    timeline`. Hooks are installed for those steps only; a probed step costs a few percent
+    more, so 1 in 50 keeps the median step within bench/overhead.py's 1.03x."""
+    link_gbps: float | None = None
+    """A **simulated** network: each bucket's all-reduce finishes no sooner than a ring
+    all-reduce over links of this many Gbit/s would (2(N-1)/N x bytes; buckets one after
+    another). None: as fast as the real transport (on one machine, loopback). Gloo only."""
+    link_latency_us: float = 0.0
+    """Latency of the simulated link per message, paid 2(N-1) times per ring all-reduce."""
     memory_snapshot: str | None = None
     """A folder: on CUDA, step 1 (the steady state) runs with the caching allocator's history
     recorded, written as ``rank{r}-step1.pickle`` for https://pytorch.org/memory_viz (each
@@ -122,6 +141,7 @@ class TrainConfig:
         self._check_sizes()
         self._check_training()
         self._check_saving_and_probes()
+        self._check_timeline()
         # one value type checks it; the config keeps the plain value (a list, not a tuple)
         self.checkpoint = CheckpointSetting.of(self.checkpoint, self.n_blocks).plain
         self._check_devices()
@@ -183,6 +203,27 @@ class TrainConfig:
                 self._bad("measure", "must be True, False or a list of probe names",
                           f"pass e.g. measure=['activations'] (probes: {PROBES})")
             self.measure = list(self.measure)
+
+    def _check_timeline(self):
+        """The DDP knobs the timeline shows, and the simulated link."""
+        v = self.timeline_every
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            self._bad("timeline_every", "must be an int >= 0", "pass timeline_every=0 (off), "
+                      "1 (every step) or e.g. 10")
+        for name, none in (("bucket_cap_mb", "torch's 25 MiB"), ("link_gbps", "no simulated link")):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or
+                                      not isinstance(value, (int, float)) or not value > 0):
+                self._bad(name, "must be a number > 0 or None", f"pass e.g. {name}=1 (None: {none})")
+        lat = self.link_latency_us
+        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or lat < 0:
+            self._bad("link_latency_us", "must be a number >= 0", "pass e.g. link_latency_us=5")
+        if self.strategy == "fsdp":
+            for name in ("bucket_cap_mb", "link_gbps", "link_latency_us"):
+                if getattr(self, name):
+                    self._bad(name, "acts on DDP's buckets and comm hook; FSDP has neither",
+                              f"pass {name}={'0' if name == 'link_latency_us' else 'None'} with "
+                              f"strategy='fsdp', or strategy='ddp'")
 
     def _check_model(self):
         if isinstance(self.model, str) and ":" not in self.model and self.model not in MODELS:
@@ -259,6 +300,11 @@ class TrainConfig:
                              f"memory_snapshot=None")
         if self.precision == "bf16" and device == "cuda":
             check_bf16(here)
+        if (self.link_gbps is not None or self.link_latency_us) and backend == "nccl":
+            raise ValueError(f"TrainConfig.link_gbps={self.link_gbps!r}: the simulated link "
+                             f"holds back gloo's all-reduce futures on the host; NCCL's complete "
+                             f"when the kernel is queued, so it cannot slow them; pass "
+                             f"link_gbps=None, link_latency_us=0, or backend='gloo'")
         if self.comm_hook == "bf16" and backend != "nccl":
             raise ValueError(f"TrainConfig.comm_hook='bf16': bf16_compress_hook needs CUDA and "
                              f"NCCL, this run uses {backend} (torch raises TypeError there); pass "

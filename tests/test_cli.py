@@ -63,6 +63,20 @@ def test_cli_shows_a_progress_bar_and_a_summary_in_human_units(tmp_path, capsys)
         "step=0", "step=1", "step=2"]
 
 
+def test_cli_prints_the_doctors_notes_and_warns_only_of_what_to_act_on(capsys, recwarn):
+    """A transformers GPT-2 as it ships (use_cache=True), checkpointed: ddpkit switches the cache
+    off, which the doctor notes after the summary; no warning, no yellow box."""
+    pytest.importorskip("transformers")
+    main(["train", "--model", "fixtures_module:make_gpt2", "--checkpoint", "2", "--steps", "1",
+          "--micro-batch", "2", "--seq-len", "16", "--backend", "gloo", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert "final loss" in out
+    notes = [line for line in out.splitlines() if line.startswith("note [")]
+    assert len(notes) == 1 and notes[0].startswith(
+        "note [hf_use_cache] at config.use_cache: use_cache=True")
+    assert not [w for w in recwarn if "ddpkit.doctor" in str(w.message)]
+
+
 def test_cli_config_error_names_the_field(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--checkpoint", "9", "--n-blocks", "4"])

@@ -136,8 +136,11 @@ def test_reentrant_with_find_unused_parameters():
     found = doctor(cfg)
     assert kinds(found)[0] == ("reentrant_find_unused", "blocks[0:2]")
     assert "12 parameter tensor(s) are invisible in the forward graph" in found[0].message
-    # every parameter got a gradient, so find_unused_parameters=True is not needed either
-    assert kinds(found)[1] == ("unused_parameters", "(ddp_kwargs)")
+    # every parameter got a gradient, so find_unused_parameters=True is not needed either: a
+    # note (it costs time, nothing is wrong), after the warning
+    assert kinds(found)[1] == ("find_unused_not_needed", "(ddp_kwargs)")
+    assert [f.severity for f in found] == ["warning", "note"]
+    assert found.warnings == found[:1] and found.notes == found[1:]
     assert doctor(cfg.replace(use_reentrant=False, find_unused_parameters=False)) == []
     assert doctor(cfg.replace(static_graph=True, find_unused_parameters=False)) == []
 
@@ -157,8 +160,8 @@ def test_unused_parameters_and_whether_find_unused_is_needed():
     assert "find_unused_parameters=True" in found[0].fix
     assert doctor(Plain(spare=True), x(), ddp_kwargs={"find_unused_parameters": True}) == []
     hint = doctor(Plain(), x(), ddp_kwargs={"find_unused_parameters": True})
-    assert kinds(hint) == [("unused_parameters", "(ddp_kwargs)")]
-    assert "it is not needed" in hint[0].message
+    assert kinds(hint) == [("find_unused_not_needed", "(ddp_kwargs)")]
+    assert "it is not needed" in hint[0].message and hint[0].severity == "note"
 
 
 def test_dropout_without_preserved_rng_state():
@@ -347,23 +350,79 @@ def test_a_transformers_models_own_checkpointing_and_use_cache():
     pytest.importorskip("transformers")
     run = dict(micro_batch=2, seq_len=16, world_size=2)
     found = doctor(TrainConfig(model=_gpt2(True, use_cache=False), **run))
-    assert kinds(found) == [("hf_reentrant_find_unused", H4)]
+    assert kinds(found) == [("hf_reentrant_find_unused", H4)] and found[0].severity == "warning"
     assert found[0].message.startswith(
         "the model's own gradient checkpointing is on (is_gradient_checkpointing=True, "
         "use_reentrant=True): ddpkit turns it off for its runs and checkpoints by "
         "TrainConfig.checkpoint=None instead.")
     assert "'Expected to mark a variable ready only once'" in found[0].message
-    # non-reentrant: reported, no crash predicted; off: nothing to report
+    # non-reentrant: what ddpkit did about it, a note under its own name; off: nothing to report
     found = doctor(TrainConfig(model=_gpt2(False, use_cache=False), **run, checkpoint=2))
-    assert kinds(found) == [("hf_reentrant_find_unused", H4)]
+    assert kinds(found) == [("hf_own_checkpointing", H4)] and found[0].severity == "note"
     assert "use_reentrant=False" in found[0].message and "ready only once" not in found[0].message
     assert "TrainConfig.checkpoint=2 instead" in found[0].message
     assert doctor(TrainConfig(model=_gpt2(use_cache=False), **run, checkpoint=2)) == []
-    # use_cache=True under checkpointing (ddpkit's or the model's own)
+    # use_cache=True under checkpointing (ddpkit's or the model's own): ddpkit switches it off
     found = doctor(TrainConfig(model=_gpt2(use_cache=True), **run, checkpoint=2))
-    assert kinds(found) == [("hf_reentrant_find_unused", "config.use_cache")]
-    assert "use_cache=True in the model's config with checkpointing on" in found[0].message
-    assert found[0].fix == "set model.config.use_cache = False in the factory"
+    assert kinds(found) == [("hf_use_cache", "config.use_cache")]
+    assert found[0].message.startswith("use_cache=True in the model's config with checkpointing "
+                                       "on: ddpkit sets config.use_cache=False for its runs.")
+    assert found[0].fix == ("nothing for ddpkit's runs; in a trainer of your own, set "
+                            "model.config.use_cache = False")
     assert doctor(TrainConfig(model=_gpt2(use_cache=True), **run)) == []  # no checkpointing
-    assert [f.where for f in doctor(TrainConfig(model=_gpt2(True, use_cache=True), **run))] == [
-        H4, "config.use_cache"]
+    found = doctor(TrainConfig(model=_gpt2(True, use_cache=True), **run))
+    assert [(f.where, f.severity) for f in found] == [(H4, "warning"), ("config.use_cache", "note")]
+
+
+def test_a_transformers_causal_lm_as_it_ships_gets_notes_only(recwarn):
+    """GPT-2 with its default config (use_cache=True), checkpointed by ddpkit: nothing named after
+    another pitfall, nothing to act on; `train`'s check (and so the Lab and the CLI) warns of
+    nothing and keeps the note."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ddpkit.explore.api import check_config
+
+    def make():
+        return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=64,
+                                          n_positions=32))
+
+    assert make().config.use_cache is True  # as transformers ships it
+    cfg = TrainConfig(model=make, micro_batch=2, seq_len=16, world_size=2)
+    for checkpoint in (2, "full", [True, False, True]):
+        found = doctor(cfg.replace(checkpoint=checkpoint))
+        assert kinds(found) == [("hf_use_cache", "config.use_cache")]
+        assert found.warnings == [] and found[0].severity == "note"
+    assert doctor(cfg) == []  # no checkpointing: the cache costs nothing extra
+    found = check_config(cfg.replace(checkpoint=2))
+    assert found.pitfalls == ["hf_use_cache"]
+    assert not [w for w in recwarn if "ddpkit" in str(w.message)]
+    assert "(note) at config.use_cache" in repr(found)
+
+
+def test_every_finding_has_its_own_name_and_a_severity():
+    """Each name the rules can give is in the catalogue (a warning: act on it) or in the doctor's
+    own notes, never both, and a name in neither is refused."""
+    import ast
+    from pathlib import Path
+
+    import ddpkit.pitfalls.rules as rules
+    from ddpkit.pitfalls import catalog
+
+    catalogue = [p.name for p in catalog()]
+    assert len(set(catalogue)) == len(catalogue)
+    assert not set(rules.NOTES) & set(catalogue)
+    assert rules.SEVERITIES.index("note") < rules.SEVERITIES.index("warning")
+    # every Finding(...) the doctor's source makes names one of the two, by a literal
+    folder = Path(rules.__file__).parent
+    named = set()
+    for path in (folder / "rules.py", folder / "doctor.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Finding":
+                assert isinstance(node.args[0], ast.Constant), ast.unparse(node)[:80]
+                named.add(node.args[0].value)
+    assert named <= set(catalogue) | set(rules.NOTES) and set(rules.NOTES) <= named
+    assert {n: rules.severity_of(n) for n in named} == {
+        n: "note" if n in rules.NOTES else "warning" for n in named}
+    with pytest.raises(ValueError, match="'made_up': not a pitfall of the catalogue"):
+        Finding("made_up", "x", "y", "z")

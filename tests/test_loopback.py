@@ -104,7 +104,7 @@ def test_pool_listens_on_loopback_only(tmp_path):
 def test_lab_listens_on_loopback_only():
     cfg = ddpkit.TrainConfig(model="mlp", n_blocks=2, width=16, world_size=2, steps=400,
                              measure=False)
-    with ddpkit.Lab(cfg, display=False) as lab:
+    with ddpkit.Lab(cfg) as lab:
         lab.run()
         wait_for_records(lab.metrics, 2)
         seen = sockets_now()

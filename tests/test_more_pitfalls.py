@@ -24,7 +24,8 @@ def test_hf_gpt2_reentrant_find_unused(pool):
         "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`."]
     # doctor saw the parameters hidden from the forward graph (and that GPT-2 needs no
     # find_unused_parameters at all)
-    assert [f.pitfall for f in broken.findings] == ["reentrant_find_unused", "unused_parameters"]
+    assert [f.pitfall for f in broken.findings] == ["reentrant_find_unused",
+                                                    "find_unused_not_needed"]
     assert broken.findings[1].where == "(ddp_kwargs)"
     # both fixes run, with exactly the gradients of the same GPT-2 without checkpointing
     assert fixed.evidence == {"use_reentrant=False": {"max_grad_diff_vs_plain": 0.0},

@@ -104,7 +104,9 @@ def test_a_models_own_checkpointing_is_reported_and_replaced(pool):
 
     cfg = ddpkit.TrainConfig(model=make, **RUN, checkpoint=2)
     assert cfg.info.own_checkpointing
-    with pytest.warns(UserWarning, match="has its own gradient checkpointing switched on"):
+    # the doctor says so (a warning: in a trainer of your own, reentrant + find_unused crashes)
+    with pytest.warns(UserWarning, match=r"\[hf_reentrant_find_unused\].*own gradient "
+                                         r"checkpointing is on.*ddpkit turns it off"):
         res = ddpkit.train(cfg, pool=pool)
     plain = ddpkit.train(cfg.replace(model=fm.make_gpt2), pool=pool)
     assert res.summary()["activation_bytes"] == plain.summary()["activation_bytes"]

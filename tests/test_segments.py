@@ -43,6 +43,12 @@ def max_diff(a, b):
     ([True, False, True, False], 4, "1,0,1,0,", "blocks 0, 2"),
     ([False, True], 2, "0,1,", "block 1"),
     ([True], 1, "1,", "every block"),
+    # short at any block count: runs, a stride, and past six parts the ends with a count
+    ([True] * 10 + [False, True], 12, "1,1,1,1,1,1,1,1,1,1,0,1,", "blocks 0-9, 11"),
+    ([i % 2 == 0 for i in range(80)], 80, "1,0," * 40, "blocks 0-78, every 2nd"),
+    ([i in (0, 1, 5, 9, 20, 30, 31, 32, 33, 70) for i in range(80)], 80,
+     "".join("1," if i in (0, 1, 5, 9, 20, 30, 31, 32, 33, 70) else "0," for i in range(80)),
+     "blocks 0, 1, 5, 9, …, 70 (10 of 80)"),
 ])
 def test_a_setting_has_one_text_form_and_one_label(value, n, text, label):
     setting = CheckpointSetting.of(value, n)

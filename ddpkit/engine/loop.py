@@ -15,6 +15,7 @@ from .measure import Measure
 from .policies import CheckpointSetting
 from .spec import build_model
 from .step import train_step, zero_grad
+from .timeline import TimelineProbe
 
 
 def _lr_lambda(warmup):
@@ -61,7 +62,12 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
     model = build_model(cfg)[0].to(ctx.device)
     # the order that works for DDP and FSDP alike: checkpointing first, then wrap (strategies)
     settings = LiveSettings(cfg, model)
-    wrapped, optimizer, comm = strategies.wrap(cfg, model, ctx, count_comm="comm" in cfg.probes)
+    # [timeline] what each probed step did, and the simulated link: it watches the comm hook
+    timeline = TimelineProbe.from_config(cfg, ctx)
+    wrapped, optimizer, comm = strategies.wrap(cfg, model, ctx, count_comm="comm" in cfg.probes,
+                                               watch=timeline.watch if timeline else None)
+    if timeline:
+        timeline.attach(wrapped)  # collective: aligns the ranks' clocks
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup_steps))
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
     fsdp = cfg.strategy == "fsdp"
@@ -75,7 +81,7 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         meta = saving.load(ctx, saving.latest(resume_from) or resume_from, saved, optimizer,
                            scheduler, fsdp)
         first, consumed = meta["step"] + 1, meta["consumed"]  # the sampler continues there too
-    measure.begin(comm, first)
+    measure.begin(comm, first, timeline)
     for step in range(first, cfg.steps):
         changed = settings.update(ctx.sync_controls(step) if live else {})
         accum = settings.accum

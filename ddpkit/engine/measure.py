@@ -13,7 +13,8 @@ frees the gradients). The schedules, each with its reason:
   measures, so steps 0 (the optimizer state is made) and 1 (DDP rebuilds its buckets), every
   ``peak_every`` steps after, and the step a change lands (CUDA's counter is free: every
   step); the activation probe reads on those steps too (the peak's ledger names what it saved);
-* all-reduce calls and bytes, and the step's time: every step.
+* all-reduce calls and bytes, and the step's time: every step;
+* the timeline (`timeline.TimelineProbe`): its hooks on the steps ``timeline_every`` picks.
 
 Make it before the model is built: the peak probe counts what is allocated after it.
 """
@@ -39,7 +40,7 @@ class Measure:
         self.acts = ActivationProbe() if "activations" in probes else None
         self.timer = StepTimer(device)
         self.cuda = device.type == "cuda"
-        self.cfg, self.rank, self.comm, self.first = cfg, rank, None, 0
+        self.cfg, self.rank, self.comm, self.first, self.timeline = cfg, rank, None, 0, None
         self.every = cfg.peak_every
         self.states = {}  # model-state bytes: read on the sampled steps, carried between
         self._sample = self._peak = False
@@ -53,8 +54,8 @@ class Measure:
             self.peak.leave_out(self.peak.allocated() - before)
         return out
 
-    def begin(self, comm, first):
-        self.comm, self.first = comm, first
+    def begin(self, comm, first, timeline=None):
+        self.comm, self.first, self.timeline = comm, first, timeline
 
     def samples(self, step, changed):
         """Does this step read activation and model-state bytes?"""
@@ -83,7 +84,8 @@ class Measure:
             acts.new_step()
         peak = self.peak.step(model, optimizer, self.comm.bucket_buffers if self.comm else None,
                               acts) if self._peak else contextlib.nullcontext()
-        with self.timer.time(), peak, self._history(step):
+        tl = self.timeline.step(step, model, optimizer) if self.timeline else contextlib.nullcontext()
+        with self.timer.time(), peak, self._history(step), tl:
             yield acts
 
     def _history(self, step):
@@ -108,6 +110,8 @@ class Measure:
                        data_bytes=self.peak.data_bytes)
         if self.comm is not None:
             out.update(allreduce_calls=self.comm.calls, allreduce_bytes=self.comm.bytes)
+        if self.timeline is not None:
+            out.update(self.timeline.record_fields())
         return out
 
     @property

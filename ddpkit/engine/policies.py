@@ -136,7 +136,8 @@ class CheckpointSetting:
         return out
 
     def label(self):
-        """What a person reads: 'no checkpointing', '2 segments', 'blocks 0, 2', 'every block'."""
+        """What a person reads, short at any block count: 'no checkpointing', '2 segments',
+        'blocks 0, 2', 'blocks 0-9, 11', 'blocks 0-78, every 2nd', 'every block'."""
         v, mask = self.value, self.mask
         if not any(mask):
             return "no checkpointing"
@@ -144,8 +145,8 @@ class CheckpointSetting:
             return "every block"
         if isinstance(v, int):
             return f"{v} segments"
-        on = [str(i) for i, b in enumerate(mask) if b]
-        return ("block " if len(on) == 1 else "blocks ") + ", ".join(on)
+        on = [i for i, b in enumerate(mask) if b]
+        return ("block " if len(on) == 1 else "blocks ") + _indices_text(on, self.n_blocks)
 
     def __str__(self):
         """The one text form: 'none', '2', 'full', '1,0,1,0,' (`parse` reads it back)."""
@@ -160,6 +161,25 @@ class CheckpointSetting:
         """The `CheckpointPolicy` that runs this setting (``use_reentrant`` is always passed
         to torch explicitly)."""
         return CheckpointPolicy(self, use_reentrant, preserve_rng_state)
+
+
+def _indices_text(on, n, most=6):
+    """Block indices as a person reads them: '0, 2'; runs of three or more as '0-9'; a regular
+    stride as '0-78, every 2nd'; past ``most`` parts, the first and the last with the count."""
+    step = on[1] - on[0] if len(on) > 1 else 0
+    if len(on) >= 4 and step > 1 and all(b - a == step for a, b in zip(on, on[1:])):
+        nth = {2: "2nd", 3: "3rd"}.get(step, f"{step}th")
+        return f"{on[0]}-{on[-1]}, every {nth}"
+    runs = []
+    for i in on:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    parts = [p for a, b in runs for p in ([f"{a}-{b}"] if b - a >= 2 else map(str, range(a, b + 1)))]
+    if len(parts) > most:
+        return ", ".join(parts[:most - 2] + ["…", parts[-1]]) + f" ({len(on)} of {n})"
+    return ", ".join(parts)
 
 
 def _blocks_text(a, b):
@@ -183,6 +203,7 @@ class CheckpointPolicy:
         self.n_blocks = setting.n_blocks
         self.use_reentrant, self.preserve_rng_state = use_reentrant, preserve_rng_state
         self.on_segment_input = None  # probe hook: called with each tensor a region keeps
+        self.on_region = None  # the timeline's: (fn, name) -> fn, timing each run of a region
         self.ran = set()              # how regions ran: 'sequential', 'loop', 'per-block'
         self.notes = []               # fallbacks, said once each (describe, and a warning)
         self._in_region = False       # a container region is running its blocks' own forwards
@@ -205,14 +226,19 @@ class CheckpointPolicy:
             for t in tensors:
                 self.on_segment_input(t)
 
-    def _region(self, fn, args, kwargs):
+    def timed(self, fn, name):
+        """A region's function as the timeline sees it (a run inside backward: the recompute)."""
+        return fn if self.on_region is None else self.on_region(fn, name)
+
+    def _region(self, fn, args, kwargs, name="region"):
         self.report(_tensors(args, kwargs))
+        fn = self.timed(fn, name)
         if self.use_reentrant and kwargs:  # the reentrant variant takes positional inputs only
             fn, kwargs = functools.partial(fn, **kwargs), {}
         return _checkpoint(fn, *args, use_reentrant=self.use_reentrant,  # always explicit
                            preserve_rng_state=self.preserve_rng_state, **kwargs)
 
-    def _block_forward(self, inner, grouped):
+    def _block_forward(self, inner, grouped, name="block"):
         """A reentrant block's forward: its own region (``grouped``: its segment is longer)."""
         def forward(*args, **kwargs):
             if self._in_region:  # the container's region runs it: no region of its own
@@ -222,7 +248,7 @@ class CheckpointPolicy:
                 self.note("use_reentrant=True cannot make one region of several blocks that the "
                           "model calls in its own loop, so each block of a segment is its own "
                           "region (it keeps its own input); use_reentrant=False groups them")
-            return self._region(inner, args, kwargs)
+            return self._region(inner, args, kwargs, name)
         return forward
 
     def _sequence_forward(self, seq):
@@ -239,7 +265,8 @@ class CheckpointPolicy:
             self.ran.add("sequential")
             for start, stop, on in self.segments:
                 if on:
-                    h = self._region(functools.partial(run, start, stop), (h,), {})
+                    h = self._region(functools.partial(run, start, stop), (h,), {},
+                                     _blocks_text(start, stop))
                 else:
                     for i in range(start, stop):
                         h = seq[i](h)
@@ -260,9 +287,10 @@ class CheckpointPolicy:
         regions = self.setting.regions
         if self.use_reentrant:
             for a, b in regions:
-                for block in container[a:b]:
+                for i in range(a, b):
+                    block = container[i]
                     block.forward = self._block_forward(type(block).forward.__get__(block),
-                                                        b - a > 1)
+                                                        b - a > 1, _blocks_text(i, i + 1))
         elif regions:
             self._loop = LoopRegions(self, list(container), regions).install(model)
         if regions and isinstance(container, nn.Sequential):

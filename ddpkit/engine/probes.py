@@ -7,7 +7,8 @@
   the hooks, so the policy reports it (``on_segment_input``) and it is counted once too.
 * The step's peak memory, its phase and what it is made of: `ddpkit.engine.memory.PeakProbe`.
 * `CommCounter`: a DDP communication hook that wraps the default all-reduce and counts calls and
-  bytes (and notes where DDP's bucket buffers are, for the peak's ledger).
+  bytes (and notes where DDP's bucket buffers are, for the peak's ledger); the timeline
+  (``timeline.py``) watches each call through it.
 * `count_flops`: FLOPs of a callable via ``FlopCounterMode``: noise-free, unlike a clock.
 """
 from __future__ import annotations
@@ -140,10 +141,11 @@ class CommCounter:
     registers the hook. ``compress``: torch's fp16/bf16 compression hook to wrap instead of the
     plain all-reduce (each element then travels as 2 bytes)."""
 
-    def __init__(self, compress=None):
+    def __init__(self, compress=None, watch=None):
         self.calls = 0
         self.bytes = 0
         self.compress = compress
+        self.watch = watch  # (bucket, nbytes, launch) -> future: the timeline's observer
         self.buckets = {}  # bucket index -> (data address, bytes) of DDP's flat buffer
 
     def reset(self):
@@ -156,10 +158,13 @@ class CommCounter:
         st = buf.untyped_storage()
         state.buckets[bucket.index()] = (st.data_ptr(), st.nbytes())
         if state.compress is not None:
-            state.bytes += buf.numel() * 2
-            return state.compress(None, bucket)
-        state.bytes += buf.numel() * buf.element_size()
-        return default_hooks.allreduce_hook(None, bucket)  # None: the default process group
+            nbytes = buf.numel() * 2
+            launch = lambda: state.compress(None, bucket)  # noqa: E731
+        else:
+            nbytes = buf.numel() * buf.element_size()
+            launch = lambda: default_hooks.allreduce_hook(None, bucket)  # noqa: E731 (None: the default group)
+        state.bytes += nbytes
+        return launch() if state.watch is None else state.watch(bucket, nbytes, launch)
 
     def bucket_buffers(self):
         """{data address: bytes} of DDP's bucket buffers, as the last all-reduces saw them."""

@@ -115,8 +115,9 @@ class _Region:
         owner.policy.report(_top_level(args, kwargs))
         # what code between blocks saves goes where it would go without this region
         self.outer = _outer_hooks()
+        name = f"block {index}" if stop == index + 1 else f"blocks {index}-{stop - 1}"
         self.gen = _checkpoint_without_reentrant_generator(
-            self.replay, owner.policy.preserve_rng_state, noop_context_fn, "default", False,
+            owner.policy.timed(self.replay, name), owner.policy.preserve_rng_state, noop_context_fn, "default", False,
             *_EARLY_STOP, *inputs)
         next(self.gen)
 

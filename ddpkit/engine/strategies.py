@@ -43,10 +43,11 @@ def autocast_precision(cfg):
     return "fp32" if mixed_dtype(cfg) is not None else cfg.precision
 
 
-def wrap(cfg, model, ctx, count_comm=True, mesh=None, precision=None):
+def wrap(cfg, model, ctx, count_comm=True, mesh=None, precision=None, watch=None):
     """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy. ``mesh``: FSDP's
     device mesh, if made already (the estimate makes it outside FakeTensorMode); ``precision``:
-    the run's, when ``cfg`` is a copy for another device (the estimate's)."""
+    the run's, when ``cfg`` is a copy for another device (the estimate's). ``watch``: the
+    timeline's observer of each bucket's all-reduce (`CommCounter` calls it), DDP only."""
     if cfg.strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -62,10 +63,11 @@ def wrap(cfg, model, ctx, count_comm=True, mesh=None, precision=None):
         return model, optimizer_class(cfg)(model.parameters(), lr=cfg.lr), None
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
               static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,
-              gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+              gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+              bucket_cap_mb=cfg.bucket_cap_mb)
     comm = None
-    if count_comm or cfg.comm_hook:
-        comm = CommCounter(_COMPRESS.get(cfg.comm_hook)).install(ddp)
+    if count_comm or cfg.comm_hook or watch is not None:  # one comm hook: DDP takes only one
+        comm = CommCounter(_COMPRESS.get(cfg.comm_hook), watch).install(ddp)
     if cfg.strategy == "ddp_zero1" or cfg.optimizer == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -38,6 +38,40 @@ class TrainResult:
         """Medians over steps (after the first, which pays one-off costs) of rank 0."""
         return summarize(self.metrics)
 
+    # --- [timeline] what DDP did in each probed step (explore/timeline.py)
+    @property
+    def timeline(self):
+        """A pandas DataFrame, one row per event per rank on the probed steps
+        (``TrainConfig.timeline_every``): ``rank, step, micro_step, kind, name, start_s,
+        end_s, bytes`` (and ``bucket``); kinds forward, backward, recompute, allreduce,
+        optimizer; seconds on one clock shared by the ranks."""
+        from .timeline import timeline_frame
+
+        return timeline_frame(self.metrics)
+
+    def overlap(self):
+        """One row per rank and probed step: ``compute_s``, ``comm_s``, ``exposed_comm_s``
+        (all-reduce time with no compute under it) and ``overlap`` (hidden fraction, 0..1)."""
+        from .timeline import overlap
+
+        return overlap(self.timeline)
+
+    def swimlanes(self, step=None):
+        """A plotly figure of one probed step (the last by default): one lane per rank with
+        forward, backward per block, recompute and the optimizer, and each bucket's
+        all-reduce; a simulated link is named in its title."""
+        from .timeline import link_label, swimlane_figure
+
+        return swimlane_figure(self.timeline, step, link_label(self.config))
+
+    @property
+    def ddp_stats(self):
+        """DDP's own runtime statistics (``_get_ddp_logging_data()``) per rank and synced
+        iteration, on the timeline's clock: what `timeline` is checked against."""
+        from .timeline import ddp_frame
+
+        return ddp_frame(self.metrics)
+
     def __repr__(self):
         s = self.summary()
         return (f"TrainResult(steps={self.config.steps}, world_size={self.config.world_size}, "
@@ -78,7 +112,8 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
     resume_from: a save_dir (resumes from its latest complete checkpoint) or a checkpoint
     folder; the run continues at the step after it, with the same data, RNG and optimizer.
     check: run `ddpkit.doctor` on the config first (one forward/backward on this process, about
-    10 ms); its findings are warned about and kept in ``TrainResult.findings``.
+    10 ms); its warnings are warned about, and every finding (notes too) is kept in
+    ``TrainResult.findings``.
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
@@ -110,24 +145,19 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
 
 def preflight(cfg):
     """What the kernel can check of your model before any rank starts: the data fill a global
-    batch; and say when ddpkit turns the model's own checkpointing off (its KV cache, which
-    training never needs, goes off silently: `spec.prepare_for_training`)."""
-    import warnings
-
+    batch. (What ddpkit switches off on your model, its own checkpointing and its KV cache,
+    `spec.prepare_for_training`, the doctor reports: a note, or a warning where the factory
+    would crash in a trainer of your own.)"""
     from ..engine.data import check_length
 
     if cfg.builtin:
         return
     check_length(cfg, make_dataset(cfg))
-    info = cfg.info
-    if info.own_checkpointing:
-        warnings.warn(f"ddpkit: {info.name} has its own gradient checkpointing switched on; the "
-                      f"ranks turn it off and run TrainConfig.checkpoint={cfg.checkpoint!r} "
-                      f"({cfg.checkpointing.label()})", stacklevel=3)
 
 
 def check_config(cfg):
-    """`ddpkit.doctor` on the config's model; warns (once per finding) and returns the findings."""
+    """`ddpkit.doctor` on the config's model: warns once per finding to act on (a note, what
+    ddpkit already did about something, is only returned); returns every finding."""
     import warnings
 
     from ..pitfalls.doctor import doctor
@@ -137,7 +167,7 @@ def check_config(cfg):
     small = cfg.replace(micro_batch=min(cfg.micro_batch, 2), seq_len=min(cfg.seq_len, 16))
     with torch.random.fork_rng(devices=[]):
         findings = doctor(small)
-    for f in findings:
+    for f in findings.warnings:
         warnings.warn(f"ddpkit.doctor: {f!r}", stacklevel=3)
     return findings
 
@@ -197,7 +227,8 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
             if key not in pools:
                 pools[key] = Pool(*key)
             label = ", ".join(f"{k}={_label(k, v, c)}" for k, v in combo.items())
-            if bar is not None:
+            if bar is not None:  # a new setting: no loss shown until its own first step lands
+                bar.set_postfix_str("", refresh=False)
                 bar.set_description(label)
             res = train(c, pool=pools[key], on_metric=_bar_updater(bar))
             s = res.summary()

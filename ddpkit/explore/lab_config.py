@@ -7,6 +7,7 @@ import html
 import threading
 
 from ..engine.policies import CheckpointSetting
+from . import background
 from .estimate import estimate
 from .units import fmt_bytes
 
@@ -30,40 +31,37 @@ class ConfigSync:
         try:
             setting = cfg.checkpoint
             self.view.controls["segments"].value = setting if isinstance(setting, int) else 0
-            for t, on in zip(self.view.block_toggles, cfg.checkpointing.mask):
-                t.value = on
+            self.view.blocks.show(cfg.checkpointing)
             self._selective = isinstance(setting, (list, str))
         finally:
             self._syncing = False
 
     def checkpoint_setting(self):
-        """What the controls say, a `CheckpointSetting`: the per-block toggles once one was
-        moved, else the segments slider (0: none)."""
+        """What the controls say, a `CheckpointSetting`: the per-block control's once it was
+        edited, else the segments slider's (0: none)."""
         if self._selective:
-            return CheckpointSetting.from_mask([t.value for t in self.view.block_toggles])
+            return self.view.blocks.setting()
         return CheckpointSetting.of(self.view.controls["segments"].value or None,
                                     self.cfg.n_blocks)
 
     def config(self):
         """The TrainConfig the controls describe (raises ValueError naming the field)."""
         v = {k: w.value for k, w in self.view.controls.items() if k != "segments"}
+        v.update({k: v[k] or None for k in ("bucket_cap_mb", "link_gbps")})  # 0: torch's/none
         return self.cfg.replace(checkpoint=self.checkpoint_setting().plain, **v)
 
     def on_control(self, change):
         if self._syncing:
             return
         if change["owner"] is self.view.controls["segments"]:
-            self._selective = False
-            self._syncing = True
-            try:
-                for t, on in zip(self.view.block_toggles, self.checkpoint_setting().mask):
-                    t.value = on
-            finally:
-                self._syncing = False
+            self._selective = False  # the blocks show what the segments cover
+            self.view.blocks.show(self.checkpoint_setting())
         self.update_estimate()
         self.send_live()
 
-    def on_toggle(self, change):
+    def on_blocks(self, setting):
+        """A person edited the per-block control (a toggle, or a range's button): ``setting``,
+        one per block, is the checkpointing now (sent once per edit)."""
         if self._syncing:
             return
         self._selective = True
@@ -114,7 +112,7 @@ class ConfigSync:
                 generation, cfg, e = self._wanted
                 self._wanted = None
             try:
-                p = e.peak()
+                p = background.run(e.peak)  # Python's end waits for it
                 top = sorted(((v, k) for k, v in p.ledger.items() if v), reverse=True)[:3]
                 text = (f"<b>the step's peak</b>: {fmt_bytes(p.bytes)} in the {p.phase} ("
                         + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for v, k in top) + ")")

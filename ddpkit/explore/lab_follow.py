@@ -15,8 +15,9 @@ class RunFollower:
     """``view``: the `LabView`; ``plots``: its `LivePlots`; ``history``: the Lab's list of rows
     (a row is added when a run ends); ``peaks``: the `PeakPanel` beside the memory plot."""
 
-    def __init__(self, view, plots, history, peaks=None):
+    def __init__(self, view, plots, history, peaks=None, timeline=None):
         self.view, self.plots, self.history, self.peaks = view, plots, history, peaks
+        self.timeline = timeline  # [timeline] `LiveTimeline`: swimlanes, at most once a second
         self.metrics = []
         self.thread = None
         self._rank0_steps, self._t0 = 0, 0.0
@@ -44,6 +45,8 @@ class RunFollower:
         self.plots.add(record)
         if self.peaks is not None:
             self.peaks.add(record)
+        if self.timeline is not None:
+            self.timeline.add(record)
 
     def on_output(self, rank, line):
         self.view.output.append_stdout(f"[rank {rank}] {line}\n")
@@ -55,6 +58,8 @@ class RunFollower:
         while not handle.done:
             handle.join(period)
             # the progress bar and its label: twice a second is enough to read them
+            if self.timeline is not None:
+                self.timeline.flush()  # itself bounded to max_hz
             if self.plots.flush(force=True) and time.monotonic() - shown >= 0.5:
                 self._update_progress(cfg)
                 shown = time.monotonic()
@@ -63,6 +68,8 @@ class RunFollower:
         self.plots.flush(force=True)
         if self.peaks is not None:
             self.peaks.refresh(force=True)
+        if self.timeline is not None:
+            self.timeline.flush(force=True)
         self.plots.sync()  # the figures' own state gets the points, for a re-rendered view
         self._update_progress(cfg)
         self._finish(cfg, handle)

@@ -1,5 +1,6 @@
 """What the Lab runs on: one warm `Pool` (replaced when the world size changes, closed with
-the Lab), and `ddpkit.doctor`'s look at each config before its run, shown as a yellow banner."""
+the Lab), and `ddpkit.doctor`'s look at each config before its run: its warnings in a yellow
+banner, its notes in a quiet line."""
 from __future__ import annotations
 
 import html
@@ -24,18 +25,14 @@ class LabRunner:
         return self.pool
 
     def check(self, cfg):
-        """The doctor on ``cfg``; its findings go to the banner (cleared when there are none)."""
+        """The doctor on ``cfg``: what to act on goes to the yellow banner, notes (what ddpkit
+        already did about something) to a quiet line under it; both cleared when there are none."""
         from .api import check_config
 
         view = self.view
         view.banner.value, view.traceback.layout.display = "", "none"
         self.findings = check_config(cfg)
-        if self.findings:
-            items = "".join(f"<li><b>{html.escape(f.pitfall)}</b> at {html.escape(f.where)}: "
-                            f"{html.escape(f.message)} <i>Fix: {html.escape(f.fix)}</i></li>"
-                            for f in self.findings)
-            view.banner.value = (f"<div style='background:#fff4d6;border-left:6px solid #d90;"
-                                 f"padding:6px'><b>ddpkit.doctor</b><ul>{items}</ul></div>")
+        view.banner.value = banner_html(self.findings)
         return self.findings
 
     def train(self, cfg, on_metric, on_output):
@@ -49,3 +46,26 @@ class LabRunner:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+def _item(f):
+    return (f"<b>{html.escape(f.pitfall)}</b> at {html.escape(f.where)}: {html.escape(f.message)}"
+            f" <i>Fix: {html.escape(f.fix)}</i>")
+
+
+def banner_html(findings):
+    """The doctor's findings as the Lab shows them: a yellow box for the warnings (act on
+    these), a folded grey line for the notes; empty when there are none."""
+    out = ""
+    warned, notes = findings.warnings, findings.notes
+    if warned:
+        items = "".join(f"<li>{_item(f)}</li>" for f in warned)
+        out += (f"<div style='background:#fff4d6;border-left:6px solid #d90;padding:6px'>"
+                f"<b>ddpkit.doctor</b><ul>{items}</ul></div>")
+    if notes:
+        names = ", ".join(html.escape(f.pitfall) for f in notes)
+        items = "".join(f"<li>{_item(f)}</li>" for f in notes)
+        out += (f"<details class='ddpkit-notes' style='color:#666;font-size:90%'><summary>"
+                f"ddpkit.doctor: {len(notes)} note{'s' * (len(notes) > 1)} ({names}), nothing to "
+                f"act on</summary><ul>{items}</ul></details>")
+    return out

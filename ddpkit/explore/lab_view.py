@@ -1,30 +1,33 @@
-"""The Lab's widgets, built and laid out: one control per config field the Lab edits, one
-toggle per detected block, the planner box, the run's buttons and read-outs. Nothing here acts:
-`widgets.Lab` wires them to what they do."""
+"""The Lab's widgets, built and laid out: one control per config field the Lab edits, the
+per-block checkpoint control (`lab_blocks.BlockControl`), the planner box, the run's buttons and
+read-outs. Nothing here acts: `widgets.Lab` wires them to what they do."""
 from __future__ import annotations
 
 import ipywidgets as W
 
 from ..config import PRECISIONS
 from ..engine.blocks import block_names
+from .lab_blocks import BlockControl
+from .timeline import timeline_controls
 
 FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"
 FIXED_DURING_A_RUN = ("world_size", "precision", "micro_batch", "steps", "use_reentrant",
-                      "no_sync")
+                      "no_sync", "bucket_cap_mb", "link_gbps")  # the last two: a new DDP wrapper
 
 
 class LabView:
     """Every widget of a Lab for ``cfg``; ``widget`` is the whole dashboard. ``plots``: the
     `LivePlots` shown beside the controls; ``planner``: the planner box (`PlanPanel`)."""
 
-    def __init__(self, cfg, plots, planner):
-        self.plots, self.planner = plots, planner
+    def __init__(self, cfg, plots, planner, timeline=None):
+        self.plots, self.planner, self.timeline = plots, planner, timeline
         self._build_controls(cfg)
         self._build_run_widgets(cfg)
         self._lay_out()
 
     def _build_controls(self, c):
-        """One control per config field the Lab edits, and one toggle per detected block."""
+        """One control per config field the Lab edits, and the per-block control (one toggle
+        per detected block, named as the model names it)."""
         n = c.n_blocks
         style = {"description_width": "110px"}
         full = lambda: W.Layout(width="auto", max_width="380px")  # noqa: E731
@@ -46,11 +49,11 @@ class LabView:
             "no_sync": W.Checkbox(c.no_sync, description="no_sync", indent=False),
             "steps": W.BoundedIntText(c.steps, 1, 100_000, description="steps", style=style,
                                       layout=full()),
+            **timeline_controls(c, style, full),  # [timeline] DDP's bucket size, simulated link
         }
-        # one toggle per block the config found in the model (its full module name as tooltip)
-        self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint {name}",
-                                             layout=W.Layout(width="44px"))
-                              for i, name in enumerate(block_names(c.blocks_path, range(n)))]
+        # the blocks the config found in the model: one stack of them (their full module names)
+        self.blocks = BlockControl([(c.blocks_path, block_names(c.blocks_path, range(n)))])
+        self.block_toggles = self.blocks.toggles
 
     def _build_run_widgets(self, cfg):
         """Buttons, progress, the estimate read-out, error banner, rank output, history."""
@@ -81,7 +84,7 @@ class LabView:
         # (a wrapping flex row); the plots fill the rest of the width in a grid (plots.py)
         box = lambda items: W.Box(items, layout=W.Layout(  # noqa: E731
             display="flex", flex_flow="row wrap", align_items="center"))
-        left = W.VBox([*self.controls.values(), box(self.block_toggles), self.planner.widget,
+        left = W.VBox([*self.controls.values(), self.blocks.widget, self.planner.widget,
                        box([self.run_button, self.stop_button]),
                        self.progress, self.progress_label, self.smooth, self.estimate_html,
                        self.torchrun_button, self.torchrun_text],
@@ -91,7 +94,8 @@ class LabView:
         main = W.Box([left, right], layout=W.Layout(display="flex", flex_flow="row wrap",
                                                     align_items="flex-start", width="100%",
                                                     grid_gap="8px"))
-        self.widget = W.VBox([self.banner, self.traceback, main, self._out_box,
+        lanes = [self.timeline.widget] if self.timeline is not None else []  # [timeline]
+        self.widget = W.VBox([self.banner, self.traceback, main, *lanes, self._out_box,
                               self.history_html], layout=W.Layout(width="100%"))
         self.widget.add_class("ddpkit-lab")  # the browser test finds the lab by it
 

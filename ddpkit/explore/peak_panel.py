@@ -14,6 +14,7 @@ import threading
 import time
 
 from ..engine.memory import KINDS
+from . import background
 from .units import byte_unit, fmt_bytes
 
 KIND_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#e45756",
@@ -82,7 +83,8 @@ class PeakPanel:
                                   else checkpoint, accum_steps=accum)
                 from .estimate import estimate
 
-                peak = estimate(run).peak(step=step, rank=rank)
+                # the trace and the simulated step: Python's end waits for them
+                peak = background.run(lambda: estimate(run).peak(step=step, rank=rank))
             except Exception as exc:  # shown in the table, never raised into a thread
                 peak = exc
             with self._lock:

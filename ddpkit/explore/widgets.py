@@ -6,7 +6,8 @@ ranks train. A change of checkpoint segments (or per-block toggles) or of accumu
 during a run is sent to rank 0, which broadcasts it: it lands on every rank at the same optimizer
 step, and the plots mark that step. Controls that cannot change mid-run are disabled meanwhile.
 
-The Lab is its five jobs put together, each in its own file: `lab_view.py` builds the widgets,
+The Lab is its five jobs put together, each in its own file: `lab_view.py` builds the widgets
+(`lab_blocks.py` the per-block checkpoint control),
 `lab_config.py` keeps them and the config in step, `lab_runs.py` holds the warm pool and the
 doctor's banner, `lab_follow.py` follows a run (figures, progress, error banner) and
 `lab_history.py` writes and shows one row per finished run.
@@ -22,13 +23,17 @@ from .lab_runs import LabRunner
 from .lab_view import LabView
 from .peak_panel import PeakPanel
 from .plots import LivePlots
+from .timeline import LiveTimeline, link_label
 
 
 class Lab:
-    """``lab = ddpkit.Lab(cfg)`` shows the dashboard; ``lab.run()``, ``lab.wait()``,
-    ``lab.stop()`` do what the buttons do; ``lab.history`` has one row per finished run."""
+    """The dashboard over a config. It shows the way an ipywidget does: as a cell's value
+    (``ddpkit.Lab(cfg)``, or ``lab = ddpkit.Lab(cfg)`` then ``lab``) or with ``display(lab)``;
+    ``lab = ddpkit.Lab(cfg)`` alone shows nothing. Every view of it is the same live dashboard.
+    ``lab.run()``, ``lab.wait()``, ``lab.stop()`` do what the buttons do; ``lab.history`` has one
+    row per finished run."""
 
-    def __init__(self, cfg=None, display=True, max_hz=5.0, ema=0.95):
+    def __init__(self, cfg=None, max_hz=5.0, ema=0.95):
         if cfg is not None and not isinstance(cfg, TrainConfig):
             raise TypeError(f"Lab() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
                             f"build one with ddpkit.TrainConfig(...)")
@@ -41,32 +46,32 @@ class Lab:
         self.history = []
         self._handle = None
         self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz, ema=ema)
+        self.timeline = LiveTimeline(self.cfg.world_size, max_hz=1.0)  # [timeline] swimlanes
         # a budget or a GPU in: the block toggles set to the plan, through this Lab's `set`
         self.planner = PlanPanel(self)
         self.peaks = PeakPanel()  # beside the memory plot: each rank's peak, and its ledger
         self.plots.place(self.peaks.widget, after=self.plots.memory)
-        self.view = LabView(self.cfg, self.plots, self.planner)
+        self.view = LabView(self.cfg, self.plots, self.planner, self.timeline)
         self.sync = ConfigSync(self.view, self.cfg, lambda: self.running,
                                lambda **kw: self._handle.send_control(**kw))
         self.runner = LabRunner(self.view)
-        self.follower = RunFollower(self.view, self.plots, self.history, self.peaks)
+        self.follower = RunFollower(self.view, self.plots, self.history, self.peaks,
+                                    self.timeline)
         v = self.view  # the widgets people and tests reach through the Lab
         self.controls, self.block_toggles, self.widget = v.controls, v.block_toggles, v.widget
+        self.blocks = v.blocks  # the per-block control: range, 'every', toggles, its summary
         self.run_button, self.stop_button, self.progress = v.run_button, v.stop_button, v.progress
         self.estimate_html, self.banner, self.traceback = v.estimate_html, v.banner, v.traceback
         self.output = v.output
         self._wire()
         self.sync.read_config(self.cfg)
         self.sync.update_estimate()
-        if display:
-            self.show()
 
     def _wire(self):
         v = self.view
         for w in v.controls.values():
             w.observe(self.sync.on_control, names="value")
-        for t in v.block_toggles:
-            t.observe(self.sync.on_toggle, names="value")
+        v.blocks.on_change(self.sync.on_blocks)
         v.run_button.on_click(lambda _: self.run())
         v.stop_button.on_click(lambda _: self.stop())
         v.torchrun_button.on_click(lambda _: self.sync.show_torchrun())
@@ -79,14 +84,14 @@ class Lab:
                     tr.visible = change["new"]
 
     def show(self):
-        try:
-            from IPython.display import display
-            display(self.widget)
-        except ImportError:
-            pass
+        """Show the dashboard in the cell now (what ``display(lab)`` does)."""
+        from IPython.display import display
 
-    def _ipython_display_(self):
-        self.show()
+        display(self.widget)
+
+    def _repr_mimebundle_(self, **kwargs):
+        # as a cell's value or in display(): the dashboard, exactly as its widget shows itself
+        return self.widget._repr_mimebundle_(**kwargs)
 
     # ------------------------------------------------------------------ the config
     def checkpoint_setting(self):
@@ -133,6 +138,7 @@ class Lab:
                            predict=lambda rec: activation_bytes(
                                cfg, CheckpointSetting.of(rec["checkpoint"], cfg.n_blocks)))
         self.peaks.new_run(cfg)
+        self.timeline.new_run(cfg.world_size, link_label(cfg))  # [timeline]
         self.view.set_running(True)
         self.follower.clock()
         self._handle = self.runner.train(cfg, self._on_metric, self.follower.on_output)

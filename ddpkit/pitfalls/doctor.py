@@ -22,7 +22,8 @@ what DDP's reducer would see, so it needs no knowledge of how the model checkpoi
 * **the modules**: ``SyncBatchNorm`` on a machine without a GPU (DDP refuses it).
 
 ``doctor(cfg)`` also reads the user model *before* ddpkit prepares it: a transformers model's own
-gradient checkpointing (and its ``use_reentrant``), and ``use_cache=True`` under checkpointing.
+gradient checkpointing (and its ``use_reentrant``), and ``use_cache=True`` under checkpointing;
+what ddpkit switches off for its runs is reported as a note, not a warning.
 
 Checkpointing can be the model's own (seen through the measurements above) or installed by
 doctor for the check through ``checkpoint=``; either way the model is left as it was: buffers,
@@ -50,50 +51,58 @@ __all__ = ["Finding", "Findings", "doctor"]
 
 def _hf_checkpointing(model):
     """A transformers model's own checkpointing as the factory left it: (on, use_reentrant, where).
-    ``use_reentrant`` is what its layers pass to torch's checkpoint ("not passed" when they pass
-    nothing: torch's default, the reentrant variant in this torch)."""
+    ``use_reentrant`` is the set of what its layers pass to torch's checkpoint ("not passed" when
+    they pass nothing: torch's default, the reentrant variant in this torch)."""
     layers = [(n, m) for n, m in model.named_modules()
               if getattr(m, "gradient_checkpointing", False) is True]
     if not layers:
-        return False, None, None
+        return False, set(), None
     kws = {n: getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", None) or {}
            for n, m in layers}
-    values = sorted({str(kw.get("use_reentrant", "not passed")) for kw in kws.values()})
-    reentrant = {"True": True, "False": False}.get(values[0], values[0]) if len(values) == 1 \
-        else "mixed: " + ", ".join(values)
+    values = {str(kw.get("use_reentrant", "not passed")) for kw in kws.values()}
     names = [n or "(root)" for n, _ in layers]  # the layers, not the model that holds them
-    return True, reentrant, where([n for n in names if not any(o.startswith(n + ".") for o in names)])
+    return True, values, where([n for n in names if not any(o.startswith(n + ".") for o in names)])
 
 
 def _own_settings(model, cfg):
-    """Findings on a user model's own settings, read before `prepare_for_training` changes them."""
+    """Findings on a user model's own settings, read before `prepare_for_training` changes them.
+    What ddpkit switches off for its runs is a note; the model's own *reentrant* checkpointing
+    is a warning: ddpkit's runs are safe, the factory is not, in a trainer of your own."""
     out = Findings()
-    on, reentrant, where = _hf_checkpointing(model)
+    on, values, at = _hf_checkpointing(model)
     if on:
         with warnings.catch_warnings():  # transformers 5 renamed it is_activation_checkpointing
             warnings.simplefilter("ignore")
             flag = getattr(model, "is_gradient_checkpointing", True)
-        crash = (" Under plain DDP with find_unused_parameters=True (a common trainer default) "
-                 "this setting raises 'Expected to mark a variable ready only once' in the first "
-                 "backward" if reentrant is True or reentrant == "not passed" else "")
-        out.append(Finding(
-            "hf_reentrant_find_unused", where,
-            f"the model's own gradient checkpointing is on (is_gradient_checkpointing={flag}, "
-            f"use_reentrant={reentrant}): ddpkit turns it off for its runs and checkpoints by "
-            f"TrainConfig.checkpoint={cfg.checkpoint!r} instead.{crash}",
-            "choose the checkpointing with TrainConfig.checkpoint and use_reentrant; outside "
-            "ddpkit, gradient_checkpointing_kwargs={'use_reentrant': False} or "
-            "find_unused_parameters=False"))
+        shown = ", ".join(sorted(values)) if len(values) > 1 else next(iter(values))
+        said = (f"the model's own gradient checkpointing is on (is_gradient_checkpointing="
+                f"{flag}, use_reentrant={'mixed: ' * (len(values) > 1)}{shown}): ddpkit turns it "
+                f"off for its runs and checkpoints by TrainConfig.checkpoint={cfg.checkpoint!r} "
+                f"instead.")
+        if values & {"True", "not passed"}:
+            out.append(Finding(
+                "hf_reentrant_find_unused", at,
+                said + " Under plain DDP with find_unused_parameters=True (a common trainer "
+                "default) this setting raises 'Expected to mark a variable ready only once' in "
+                "the first backward",
+                "choose the checkpointing with TrainConfig.checkpoint and use_reentrant; outside "
+                "ddpkit, gradient_checkpointing_kwargs={'use_reentrant': False} or "
+                "find_unused_parameters=False"))
+        else:
+            out.append(Finding("hf_own_checkpointing", at, said,
+                               "nothing for ddpkit's runs; TrainConfig.checkpoint chooses what "
+                               "they checkpoint"))
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False) and (on or cfg.checkpoint is not None):
         out.append(Finding(
-            "hf_reentrant_find_unused", "config.use_cache",
-            "use_cache=True in the model's config with checkpointing on: a KV cache is for "
-            "generation (in training it keeps every block's keys and values); transformers' own "
-            "checkpointing switches it off with a warning ('`use_cache=True` is incompatible with "
-            "gradient checkpointing. Setting `use_cache=False`.'), and ddpkit sets "
-            "config.use_cache=False for its runs",
-            "set model.config.use_cache = False in the factory"))
+            "hf_use_cache", "config.use_cache",
+            "use_cache=True in the model's config with checkpointing on: ddpkit sets "
+            "config.use_cache=False for its runs. A KV cache is for generation (in training it "
+            "keeps every block's keys and values); transformers' own checkpointing switches it "
+            "off with a warning ('`use_cache=True` is incompatible with gradient checkpointing. "
+            "Setting `use_cache=False`.')",
+            "nothing for ddpkit's runs; in a trainer of your own, set "
+            "model.config.use_cache = False"))
     return out
 
 

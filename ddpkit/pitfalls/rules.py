@@ -1,9 +1,12 @@
 """The doctor's rules: one small function per hazard, each reading the watched step's
 observations (`observe.measure`) and saying what it found, where, and the fix (from `fixes`).
 
-Every `Finding` names its entry in the catalogue (`ddpkit.pitfalls.catalog()`). The rules run in
-teaching order; one that explains a parameter without a gradient (``case.explained``) keeps the
-later "unused parameter" rule from blaming it twice.
+Every `Finding` has its own name and a severity. A hazard the user must act on is a
+``"warning"`` named after its entry in the catalogue (`ddpkit.pitfalls.catalog()`); what is no
+pitfall (what ddpkit already did about something, a setting that only costs time) is a ``"note"``
+named in `NOTES`, the doctor's own names. Each name is in one of the two, never both. The rules
+run in teaching order; one that explains a parameter without a gradient (``case.explained``) keeps
+the later "unused parameter" rule from blaming it twice.
 """
 from __future__ import annotations
 
@@ -19,28 +22,72 @@ NO_GRAD_INPUT_WARNING = "None of the inputs have requires_grad=True"
 DEFAULT_REENTRANT_WARNING = "the use_reentrant parameter should be passed explicitly"
 
 
+SEVERITIES = ("note", "warning")  # lowest first; only a warning asks the user to act
+# the doctor's own findings, which are no pitfall of the catalogue: each a note (nothing to fix)
+NOTES = {
+    "find_unused_not_needed": "find_unused_parameters=True where every parameter gets a "
+                              "gradient: a search of the autograd graph every step, for nothing",
+    "hf_own_checkpointing": "a transformers model's own (non-reentrant) gradient checkpointing, "
+                            "which ddpkit switches off for its runs",
+    "hf_use_cache": "a transformers config's use_cache=True under checkpointing, which ddpkit "
+                    "switches off for its runs",
+}
+
+
+def severity_of(name):
+    """``"note"`` for the doctor's own names (`NOTES`), ``"warning"`` for a catalogue pitfall;
+    any other name is refused (ValueError naming both lists)."""
+    if name in NOTES:
+        return "note"
+    from .known import catalog
+
+    if name not in {p.name for p in catalog()}:
+        raise ValueError(f"Finding {name!r}: not a pitfall of the catalogue "
+                         f"(ddpkit.pitfalls.catalog()) nor one of the doctor's notes "
+                         f"({', '.join(NOTES)}); name it in one of the two")
+    return "warning"
+
+
 @dataclass(frozen=True)
 class Finding:
-    """One hazard: which pitfall (a name in `ddpkit.pitfalls.catalog()`), where (module path),
-    what was measured, and the fix."""
+    """One finding: its name (``pitfall``: a catalogue entry, or one of the doctor's `NOTES`),
+    where (module path), what was measured or done, and the fix. ``severity``: ``"warning"``
+    (act on it) or ``"note"`` (nothing to fix), from the name."""
     pitfall: str
     where: str
     message: str
     fix: str
 
+    def __post_init__(self):
+        severity_of(self.pitfall)  # an unnamed finding is a bug in a rule: refused at once
+
+    @property
+    def severity(self):
+        return severity_of(self.pitfall)
+
     def __repr__(self):
-        return f"[{self.pitfall}] at {self.where}: {self.message}\n    fix: {self.fix}"
+        kind = "" if self.severity == "warning" else f" ({self.severity})"
+        return f"[{self.pitfall}]{kind} at {self.where}: {self.message}\n    fix: {self.fix}"
 
 
 class Findings(list):
-    """A list of `Finding`; prints one per paragraph, or 'no findings'."""
+    """A list of `Finding`; prints one per paragraph (warnings first), or 'no findings'.
+    ``warnings``: those to act on; ``notes``: the rest."""
 
     @property
     def pitfalls(self):
         return sorted({f.pitfall for f in self})
 
+    @property
+    def warnings(self):
+        return [f for f in self if f.severity == "warning"]
+
+    @property
+    def notes(self):
+        return [f for f in self if f.severity == "note"]
+
     def __repr__(self):
-        return "\n".join(map(repr, self)) if self else "doctor: no findings"
+        return "\n".join(map(repr, self.warnings + self.notes)) if self else "doctor: no findings"
 
 
 @dataclass
@@ -226,7 +273,7 @@ def unused_parameters(case):
             fixes.UNUSED_PARAMETERS)]
     if case.find_unused and not case.no_grad and backward and not case.static:
         return [Finding(
-            "unused_parameters", "(ddp_kwargs)",
+            "find_unused_not_needed", "(ddp_kwargs)",
             "find_unused_parameters=True, but every parameter got a gradient: it is not needed "
             "and costs a traversal of the autograd graph every step",
             "drop find_unused_parameters=True")]

@@ -74,8 +74,9 @@ class PitfallResult:
             lines.append(f"  error ({self.error_type}{who}): {self.error}")
         for k, v in self.evidence.items():
             lines.append(f"  {k}: {v!r}")
-        lines.append("  doctor: " + ("no findings" if not self.findings else
-                                     "; ".join(f"[{f.pitfall}] at {f.where}" for f in self.findings)))
+        said = [f"[{f.pitfall}]{' (note)' * (f.severity == 'note')} at {f.where}"
+                for f in self.findings]
+        lines.append("  doctor: " + ("; ".join(said) if said else "no findings"))
         return "\n".join(lines)
 
 

@@ -17,7 +17,8 @@ from .output import plain
 
 def format_record(record):
     """One record as a log line: ``step=3 loss=0.512 ...``."""
-    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else
+                    f"{k}=<{len(v)} rows>" if isinstance(v, list) else f"{k}={v}"
                     for k, v in record.items())
 
 

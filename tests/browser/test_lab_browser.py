@@ -1,7 +1,13 @@
 """The lab as a person uses it: JupyterLab in headless Chromium, a click on Run, a slider moved
-mid-run, and the plots answering; at 1280x800 and at 1920x1080 nothing is cut or clipped. Needs Debian's chromium (`.ci/run` installs it) and the
-playwright Python package (never `playwright install`: it downloads, and fails here)."""
+mid-run, and the plots answering; at 1280x800 and at 1920x1080 nothing is cut or clipped. Then
+the block control of three transformers GPT-2 labs, 12, 32 and 80 blocks, at both sizes: every
+block's toggle seen whole and reachable, named as the model names it. One JupyterLab for both
+tests. Needs Debian's chromium (`.ci/run` installs it) and the playwright Python package (never
+`playwright install`: it downloads, and fails here)."""
+import contextlib
+import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -11,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -21,7 +28,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 # every FigureWidget's traces, as plotly.js holds them in the page
-TRACES = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(gd =>
+TRACES = """() => Array.from(window.jupyterapp.shell.currentWidget.node
+    .querySelectorAll('.js-plotly-plot')).map(gd =>
     (gd.data || []).map(t => ({name: t.name, opacity: t.opacity === undefined ? 1 : t.opacity,
                               y: Array.from(t.y || [])})))"""
 
@@ -32,14 +40,47 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def jupyter(tmp_path):
+# blocks -> the lab's checkpoint setting: a few blocks, segments, every other one
+BLOCKS = {12: "[True] * 10 + [False, True]", 32: "4", 80: "[i % 2 == 0 for i in range(80)]"}
+# three small labs, each the value of its own cell: a transformers GPT-2 of 12, 32 and 80 blocks
+BLOCKS_CELLS = ["""import ddpkit
+from transformers import GPT2Config, GPT2LMHeadModel
+
+def gpt2(n_layer):
+    def make():
+        return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=16, n_head=2, vocab_size=64,
+                                          n_positions=32, bos_token_id=0, eos_token_id=0))
+    return make
+
+labs = {}"""] + [f"labs[{n}] = ddpkit.Lab(ddpkit.TrainConfig(model=gpt2({n}), micro_batch=2, "
+                 f"seq_len=16, checkpoint={c}))\nlabs[{n}]" for n, c in BLOCKS.items()] + [
+    "import json\nwith open('labs.json', 'w') as fh:  # what the kernel says, for the test\n"
+    "    json.dump({n: dict(tooltips=[t.tooltip for t in lab.block_toggles], mask=lab.config()"
+    ".checkpointing.mask, label=lab.config().checkpointing.label()) for n, lab in labs.items()}, "
+    "fh)\nprint('labs ready')"]
+
+
+def write_notebook(path, cells):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, str(path))
+
+
+@pytest.fixture(scope="module")
+def jupyter(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("lab")
     work = tmp_path / "nb"
     work.mkdir()
     shutil.copy(ROOT / "notebooks" / "08_lab.ipynb", work)
+    write_notebook(work / "blocks.ipynb", BLOCKS_CELLS)
     port, token = free_port(), secrets.token_hex(16)
+    # `-m jupyterlab`, not `-m jupyter lab`: the latter runs the `jupyter-lab` script, whose
+    # shebang may name another environment's Python (a copied venv), and so its ddpkit
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--allow-root", "--no-browser", "--ip=127.0.0.1",
+        [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ip=127.0.0.1",
          f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
          "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "jupyter.log", "w"),
@@ -65,10 +106,12 @@ def jupyter(tmp_path):
         time.sleep(1.5)  # ranks notice their kernel is gone within a second
 
 
+# the labs of the notebook on show (JupyterLab keeps other notebooks' panels in the page)
+LABS = "window.jupyterapp.shell.currentWidget.node.querySelectorAll('.ddpkit-lab')"
 # every box that must fit: the plots inside the window and their own container, and each
 # control's text inside its element (a clipped label has scrollWidth > clientWidth)
-FIT = """() => {
-  const lab = document.querySelector('.ddpkit-lab');
+FIT = """(i) => {
+  const lab = """ + LABS + """[i];
   const bad = [], vw = document.documentElement.clientWidth, labBox = lab.getBoundingClientRect();
   for (const gd of lab.querySelectorAll('.js-plotly-plot')) {
     const r = gd.getBoundingClientRect(), svg = gd.querySelector('.main-svg');
@@ -90,10 +133,45 @@ FIT = """() => {
           checked: texts.length};
 }"""
 # the labels of mid-run changes on the loss plot: none may overlap another
-MARKS = """() => Array.from(document.querySelectorAll('.ddpkit-lab .js-plotly-plot')[0]
+MARKS = """() => Array.from(window.jupyterapp.shell.currentWidget.node
+    .querySelectorAll('.ddpkit-lab .js-plotly-plot')[0]
     .querySelectorAll('.annotation')).map(a => { const r = a.getBoundingClientRect();
     return [r.left, r.top, r.right, r.bottom]; })"""
 SIZES = [(1280, 800), (1920, 1080)]
+# the swimlane figure (issue #20): bars drawn for each rank, and every label of it (title, lane
+# names, legend, ticks) inside the figure's own box
+SWIMLANES = """() => {
+  const gd = document.querySelector('.ddpkit-lab .ddpkit-swimlanes.js-plotly-plot, ' +
+                                    '.ddpkit-lab .ddpkit-swimlanes .js-plotly-plot');
+  if (!gd) return {missing: true};
+  const box = gd.getBoundingClientRect(), bad = [];
+  for (const t of gd.querySelectorAll('.gtitle, .ytick text, .xtick text, .legendtext, .xtitle')) {
+    const r = t.getBoundingClientRect();
+    if (!r.width) continue;
+    if (r.left < box.left - 0.5 || r.right > box.right + 0.5 || r.top < box.top - 0.5 ||
+        r.bottom > box.bottom + 0.5) bad.push(['label outside the figure', t.textContent]);
+  }
+  const title = gd.querySelector('.gtitle'), legend = gd.querySelector('.legend .bg');
+  if (title && legend) {
+    const a = title.getBoundingClientRect(), b = legend.getBoundingClientRect();
+    if (Math.min(a.right, b.right) - Math.max(a.left, b.left) > 1 &&
+        Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 1) bad.push(['legend over the title']);
+  }
+  const lanes = Array.from(gd.querySelectorAll('.ytick text')).map(t => t.textContent);
+  const bars = (gd.data || []).reduce((n, t) => n + (t.x ? t.x.length : 0), 0);
+  return {bad: bad, lanes: lanes, bars: bars, title: gd.layout.title.text};
+}"""
+
+
+# a lab's figures: loss, memory, step time, the peak panel's bars, the two timeline figures
+PLOTS = 6
+
+
+def fits(page, size, i=0):
+    """The FIT checks on lab ``i`` of the notebook on show."""
+    fit = page.evaluate(FIT, i)
+    assert fit["plots"] == PLOTS and fit["checked"] > 10, fit
+    assert fit["bad"] == [], (size, i, fit["bad"])
 
 
 def check_fits(page, tmp, size):
@@ -102,22 +180,32 @@ def check_fits(page, tmp, size):
     page.wait_for_timeout(1500)  # plotly redraws to its new width on the window's resize
     # scrolled by the page itself: playwright's scroll waits for the element to stop moving,
     # and a plot that gains points every 0.1 s never does
-    page.evaluate("() => document.querySelector('.ddpkit-lab .js-plotly-plot').scrollIntoView()")
+    page.evaluate(f"() => {LABS}[0].querySelector('.js-plotly-plot').scrollIntoView()")
     page.wait_for_timeout(300)
-    fit = page.evaluate(FIT)
-    assert fit["plots"] == 3 and fit["checked"] > 10, fit
-    assert fit["bad"] == [], (size, fit["bad"])
+    fits(page, size)
     boxes = page.evaluate(MARKS)
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:
             overlap = min(a[2], b[2]) - max(a[0], b[0]) > 1 and min(a[3], b[3]) - max(a[1], b[1]) > 1
             assert not overlap, (size, boxes)
-    path = tmp / f"lab-{w}x{h}.png"
-    page.screenshot(path=str(path), timeout=90_000)
-    assert path.stat().st_size > 10_000
+    keep(page, tmp / f"lab-{w}x{h}.png")
+    page.evaluate("() => document.querySelector('.ddpkit-lab .ddpkit-swimlanes').scrollIntoView()")
+    page.wait_for_timeout(300)
+    lanes = page.evaluate(SWIMLANES)
+    assert lanes.get("bad") == [] and lanes["bars"] > 20, (size, lanes)
+    assert lanes["lanes"] == ["rank 1 all-reduce", "rank 1 compute", "rank 0 all-reduce",
+                              "rank 0 compute"], lanes
+    keep(page.locator(".ddpkit-lab .ddpkit-swimlanes").first, tmp / f"swimlanes-{w}x{h}.png")
+    return len(boxes)
+
+
+def keep(target, path):
+    """A screenshot of ``target`` (a page or an element) at ``path``, kept in
+    DDPKIT_SCREENSHOT_DIR too when that is set."""
+    target.screenshot(path=str(path), timeout=90_000)
+    assert path.stat().st_size > 5_000
     if os.environ.get("DDPKIT_SCREENSHOT_DIR"):
         shutil.copy(path, Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / path.name)
-    return len(boxes)
 
 
 def traces_named(page, fig, name):
@@ -125,78 +213,184 @@ def traces_named(page, fig, name):
     return [t for t in page.evaluate(TRACES)[fig] if t["name"] == name]
 
 
-def test_lab_in_a_real_browser(jupyter):
+@contextlib.contextmanager
+def notebook_page(jupyter, name):
+    """A fresh Chromium on notebook ``name`` of the shared JupyterLab, its kernel ready; on a
+    failure, what the page showed goes to DDPKIT_SCREENSHOT_DIR."""
     playwright = pytest.importorskip("playwright.sync_api")
     base, token, tmp = jupyter
     with playwright.sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(str(tmp / "profile"), executable_path=CHROMIUM,
-                                                   headless=True, args=FLAGS,
+        ctx = p.chromium.launch_persistent_context(str(tmp / f"profile-{name}"),
+                                                   executable_path=CHROMIUM, headless=True,
+                                                   args=FLAGS,
                                                    viewport={"width": 1400, "height": 1000})
+        page = ctx.new_page()
+        console = []
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
         try:
-            page = ctx.new_page()
-            console = []
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-            page.goto(f"{base}/lab/tree/08_lab.ipynb?token={token}")
+            # ?reset: a fresh workspace, not the notebooks the last test left open
+            page.goto(f"{base}/lab/tree/{name}?reset&token={token}")
             page.wait_for_selector(".jp-Notebook", timeout=60_000)
             page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                                    " && window.jupyterapp.shell.currentWidget.sessionContext"
                                    " && window.jupyterapp.shell.currentWidget.sessionContext.session",
                                    timeout=60_000)
-            # not awaited: the command resolves only when every cell has ended
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-            page.wait_for_selector(".jp-OutputArea-output:has-text('scripted demo done')", timeout=180_000)
-
-            last_run = len(traces_named(page, 0, "rank 0")[-1]["y"])  # the scripted run's
-            run = page.locator("button.jupyter-button", has_text="Run").first
-            run.scroll_into_view_if_needed()
-            run.click()
-            # a new run's loss trace fills while the run before stays as a faded overlay
-            page.wait_for_function(
-                f"() => {{ const t = ({TRACES})()[0].filter(t => t.name === 'rank 0');"
-                f" return t.length == 2 && t[1].y.length >= 10 && t[1].y.length < {last_run}"
-                f" && t[0].opacity < t[1].opacity; }}", timeout=60_000)
-            loss_before = len(traces_named(page, 0, "rank 0")[-1]["y"])
-            acts_before = traces_named(page, 1, "activations r0 (measured)")[-1]["y"]
-
-            slider = page.locator(".widget-slider", has_text="ckpt segments").locator(".noUi-handle").first
-            slider.focus()
-            page.keyboard.press("ArrowRight")
-            page.keyboard.press("ArrowRight")  # 0 -> 2 segments, mid-run
-            page.wait_for_timeout(1500)
-            page.keyboard.press("ArrowLeft")  # 2 -> 1, and again a while later: three marks
-            page.wait_for_timeout(1200)
-            page.keyboard.press("ArrowRight")
-            page.wait_for_timeout(1500)
-            news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "news?" toast
-            if news.count() and news.first.is_visible():
-                news.first.click(timeout=5_000)
-            loss_after = len(traces_named(page, 0, "rank 0")[-1]["y"])
-            acts_after = traces_named(page, 1, "activations r0 (measured)")[-1]["y"]
-            assert loss_after > loss_before, "the loss plot stopped gaining points"
-            assert len(set(acts_before)) == 1, acts_before  # constant before the change
-            assert min(acts_after) < acts_before[0], (acts_before[:3], acts_after[-3:])
-            # Stop ends the run and the plots keep what it drew (the marks included); the layout
-            # is then checked on a still page: a screenshot waits for a settled frame, and on two
-            # busy cores a plot redrawn every 0.1 s may not give one within its timeout
-            stop = page.locator("button.jupyter-button", has_text="Stop").first
-            stop.click()
-            page.wait_for_function("() => Array.from(document.querySelectorAll('.ddpkit-lab button'))"
-                                   ".some(b => b.textContent.includes('Stop') && b.disabled)",
-                                   timeout=60_000)
-            # the page draws what had arrived at its own pace (at most a quarter of its time),
-            # so the last points may land a moment after the run ended; then nothing moves
-            shown = []
-            while len(shown) < 2 or shown[-1] != shown[-2]:
-                assert len(shown) < 20, ("the plots kept moving after Stop", shown)
-                page.wait_for_timeout(700)
-                shown.append(len(traces_named(page, 0, "rank 0")[-1]["y"]))
-            marks = [check_fits(page, tmp, size) for size in SIZES]
-            assert min(marks) >= 2, marks  # the change labels were drawn (and did not overlap)
+            yield page, tmp
         except Exception:
             if os.environ.get("DDPKIT_SCREENSHOT_DIR"):  # what the page showed when it failed
-                page.screenshot(path=str(Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / "failed.png"))
-                (Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / "failed.html").write_text(page.content())
-                (Path(os.environ["DDPKIT_SCREENSHOT_DIR"]) / "console.txt").write_text("\n".join(console))
+                out = Path(os.environ["DDPKIT_SCREENSHOT_DIR"])
+                page.screenshot(path=str(out / f"failed-{name}.png"))
+                (out / f"failed-{name}.html").write_text(page.content())
+                (out / f"console-{name}.txt").write_text("\n".join(console))
             raise
         finally:
             ctx.close()
+            shutdown_kernels(base, token)
+
+
+def shutdown_kernels(base, token):
+    """End the server's kernels (and so their labs' ranks) before the next test: the server
+    is shared, and each test leaves no process of its own behind."""
+    with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as r:
+        kernels = json.load(r)
+    for k in kernels:
+        req = urllib.request.Request(f"{base}/api/kernels/{k['id']}?token={token}",
+                                     method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
+    server = [p for p in psutil.Process().children() if "jupyterlab" in " ".join(p.cmdline())]
+    deadline = time.monotonic() + 20
+    while any(s.children(recursive=True) for s in server) and time.monotonic() < deadline:
+        time.sleep(0.2)  # ranks notice their kernel is gone within a second
+
+
+def dismiss_news(page):
+    news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "news?" toast
+    if news.count() and news.first.is_visible():
+        news.first.click(timeout=5_000)
+
+
+def test_lab_in_a_real_browser(jupyter):
+    with notebook_page(jupyter, "08_lab.ipynb") as (page, tmp):
+        # not awaited: the command resolves only when every cell has ended
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        page.wait_for_selector(".jp-OutputArea-output:has-text('scripted demo done')", timeout=180_000)
+        # `lab = ddpkit.Lab(cfg)` then `lab`: one lab on the page, not two
+        assert page.evaluate(f"() => {LABS}.length") == 1
+
+        # the page draws at its own pace: the scripted run's points may land after the cell ends
+        page.wait_for_function(f"() => ({TRACES})()[0].some(t => t.name === 'rank 0')",
+                               timeout=60_000)
+        last_run = len(traces_named(page, 0, "rank 0")[-1]["y"])  # the scripted run's
+        run = page.locator("button.jupyter-button", has_text="Run").first
+        run.scroll_into_view_if_needed()
+        run.click()
+        # a new run's loss trace fills while the run before stays as a faded overlay
+        page.wait_for_function(
+            f"() => {{ const t = ({TRACES})()[0].filter(t => t.name === 'rank 0');"
+            f" return t.length == 2 && t[1].y.length >= 10 && t[1].y.length < {last_run}"
+            f" && t[0].opacity < t[1].opacity; }}", timeout=60_000)
+        loss_before = len(traces_named(page, 0, "rank 0")[-1]["y"])
+        acts_before = traces_named(page, 1, "activations r0 (measured)")[-1]["y"]
+
+        slider = page.locator(".widget-slider", has_text="ckpt segments").locator(".noUi-handle").first
+        slider.focus()
+        page.keyboard.press("ArrowRight")
+        page.keyboard.press("ArrowRight")  # 0 -> 2 segments, mid-run
+        page.wait_for_timeout(1500)
+        page.keyboard.press("ArrowLeft")  # 2 -> 1, and again a while later: three marks
+        page.wait_for_timeout(1200)
+        page.keyboard.press("ArrowRight")
+        page.wait_for_timeout(1500)
+        dismiss_news(page)
+        loss_after = len(traces_named(page, 0, "rank 0")[-1]["y"])
+        acts_after = traces_named(page, 1, "activations r0 (measured)")[-1]["y"]
+        assert loss_after > loss_before, "the loss plot stopped gaining points"
+        assert len(set(acts_before)) == 1, acts_before  # constant before the change
+        assert min(acts_after) < acts_before[0], (acts_before[:3], acts_after[-3:])
+        # Stop ends the run and the plots keep what it drew (the marks included); the layout
+        # is then checked on a still page: a screenshot waits for a settled frame, and on two
+        # busy cores a plot redrawn every 0.1 s may not give one within its timeout
+        stop = page.locator("button.jupyter-button", has_text="Stop").first
+        stop.click()
+        page.wait_for_function(f"() => Array.from({LABS}).flatMap(l => Array.from("
+                               "l.querySelectorAll('button')))"
+                               ".some(b => b.textContent.includes('Stop') && b.disabled)",
+                               timeout=60_000)
+        # the page draws what had arrived at its own pace (at most a quarter of its time),
+        # so the last points may land a moment after the run ended; then nothing moves
+        shown = []
+        while len(shown) < 2 or shown[-1] != shown[-2]:
+            assert len(shown) < 20, ("the plots kept moving after Stop", shown)
+            page.wait_for_timeout(700)
+            shown.append(len(traces_named(page, 0, "rank 0")[-1]["y"]))
+        marks = [check_fits(page, tmp, size) for size in SIZES]
+        assert min(marks) >= 2, marks  # the change labels were drawn (and did not overlap)
+
+
+# the block control of lab i: each toggle whole (its label not clipped), inside the lab and the
+# window, and reachable (scrolled to, the point at its centre is the toggle itself, not
+# something over it); its title; the range slider and the buttons there too
+BLOCK_TOGGLES = """(i) => {
+  const lab = """ + LABS + """[i], ctl = lab.querySelector('.ddpkit-blocks');
+  const vw = document.documentElement.clientWidth, box = lab.getBoundingClientRect();
+  const toggles = Array.from(ctl.querySelectorAll('button.widget-toggle-button'));
+  const bad = [], titles = [], rows = new Set();
+  for (const t of toggles) {
+    t.scrollIntoView({block: 'center', inline: 'nearest'});
+    const r = t.getBoundingClientRect(), name = t.textContent.trim();
+    titles.push(t.title);
+    rows.add(Math.round(r.top + window.scrollY));
+    if (!t.offsetParent || r.width < 20 || r.height < 16) bad.push(['hidden', name, r.width]);
+    if (t.scrollWidth > t.clientWidth + 1) bad.push(['clipped', name]);
+    if (r.right > vw + 0.5 || r.right > box.right + 0.5 || r.left < box.left - 0.5)
+      bad.push(['outside', name, r.left, r.right]);
+    const hit = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+    if (!hit || !t.contains(hit)) bad.push(['covered', name, hit && hit.className]);
+  }
+  return {n: toggles.length, titles: titles, bad: bad,
+          labels: toggles.map(t => t.textContent.trim()),
+          pressed: toggles.map(t => t.classList.contains('mod-active')),
+          ranges: ctl.querySelectorAll('.widget-slider').length,
+          summary: ctl.querySelector('.widget-html-content').textContent};
+}"""
+
+
+def test_the_block_control_at_12_32_and_80_blocks(jupyter):
+    pytest.importorskip("transformers")
+    with notebook_page(jupyter, "blocks.ipynb") as (page, tmp):
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        page.wait_for_selector(".jp-OutputArea-output:has-text('labs ready')", timeout=240_000)
+        kernel = json.loads((tmp / "nb" / "labs.json").read_text())
+        assert page.evaluate(f"() => {LABS}.length") == len(BLOCKS)  # each lab shown once
+        dismiss_news(page)
+        for w, h in SIZES:
+            page.set_viewport_size({"width": w, "height": h})
+            page.wait_for_timeout(1500)  # plotly redraws to its new width
+            for i, n in enumerate(BLOCKS):
+                got, want = page.evaluate(BLOCK_TOGGLES, i), kernel[str(n)]
+                assert got["n"] == n and got["bad"] == [], ((w, h), n, got["bad"])
+                assert got["labels"] == [str(b) for b in range(n)]
+                # each toggle's tooltip: the model's own name for the block
+                assert got["titles"] == want["tooltips"] == [
+                    f"checkpoint transformer.h.{b}" for b in range(n)]
+                # the page shows the lab's setting: the pressed toggles and the line above them
+                assert got["pressed"] == want["mask"] and any(want["mask"])
+                assert f"checkpointed: {want['label']} ({sum(want['mask'])} of {n} blocks)" \
+                    == got["summary"] and got["ranges"] == 1
+                fits(page, (w, h), i)  # the same checks as the lab above: nothing clipped
+                control = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .ddpkit-lab "
+                                       ".ddpkit-blocks").nth(i)
+                if (w, h) == SIZES[-1]:  # the control alone (the same 400 px at both sizes)
+                    keep(control, tmp / f"blocks-{n}.png")
+                if n == max(BLOCKS):  # the biggest lab, from its top
+                    page.evaluate(f"() => {LABS}[{i}].scrollIntoView({{block: 'start'}})")
+                    page.wait_for_timeout(300)
+                    keep(page, tmp / f"lab-{n}-blocks-{w}x{h}.png")
+        # the last block of the biggest lab, clicked: the kernel hears it and says so above
+        n = max(BLOCKS)
+        lab = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .ddpkit-lab").nth(len(BLOCKS) - 1)
+        lab.locator("button.widget-toggle-button", has_text=re.compile(f"^{n - 1}$")).click()
+        on = sum(kernel[str(n)]["mask"]) + 1
+        page.wait_for_function(f"() => {LABS}[{len(BLOCKS) - 1}].querySelector('.ddpkit-blocks "
+                               f".widget-html-content').textContent.endsWith('({on} of {n} blocks)')",
+                               timeout=30_000)

@@ -72,8 +72,8 @@ CASES = [
     ("sweep", lambda: ddpkit.sweep(CFG, checkpoint=[None, 9]), ValueError, r"TrainConfig.checkpoint=9: segments must be between"),
     ("estimate", lambda: ddpkit.estimate({"model": "mlp"}), TypeError, r"estimate\(\) takes a ddpkit.TrainConfig"),
     ("doctor", lambda: ddpkit.doctor(42), TypeError, r"doctor\(\) takes an nn.Module or a ddpkit.TrainConfig"),
-    ("Lab", lambda: ddpkit.Lab("mlp", display=False), TypeError, r"Lab\(\) takes a ddpkit.TrainConfig"),
-    ("Lab", lambda: ddpkit.Lab(CFG, display=False, max_hz=0), ValueError, r"max_hz=0.*pass e.g. max_hz=5"),
+    ("Lab", lambda: ddpkit.Lab("mlp"), TypeError, r"Lab\(\) takes a ddpkit.TrainConfig"),
+    ("Lab", lambda: ddpkit.Lab(CFG, max_hz=0), ValueError, r"max_hz=0.*pass e.g. max_hz=5"),
     ("pitfalls.run", lambda: ddpkit.pitfalls.run("fork_bomb"), ValueError, r"no pitfall named 'fork_bomb'; pitfalls: "),
 ]
 
