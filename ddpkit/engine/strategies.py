@@ -33,7 +33,7 @@ def wrap(cfg, model, ctx, count_comm=True, mesh=None):
 
         mesh = mesh or fsdp_mesh(ctx.device.type)
 
-        for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block
+        for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block, every stack
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, optimizer_class(cfg)(model.parameters(), lr=cfg.lr), None

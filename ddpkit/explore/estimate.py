@@ -184,7 +184,8 @@ def _setting(cfg, setting):
         return cfg.checkpointing
     if not isinstance(setting, CheckpointSetting):
         raise TypeError(f"pass a CheckpointSetting (CheckpointSetting.of({setting!r}, "
-                        f"{cfg.n_blocks})), or nothing for the config's own setting")
+                        f"{cfg.n_blocks})), or nothing for the config's own setting; "
+                        f"cfg.setting({setting!r}) makes one on this config's stacks")
     return setting
 
 
@@ -258,14 +259,16 @@ def estimate(cfg) -> Estimate:
 
 # ----------------------------------------------------------------------------- FakeTensorMode
 class _Traced:
-    """A config's model built under FakeTensorMode, with one fake micro-batch (cached)."""
+    """A config's model built under FakeTensorMode without its initialisation
+    (`ddpkit.engine.empty`: ``how`` says how it was built), with one fake micro-batch (cached).
+    Blocks are those of every stack, in order, each named by its path."""
 
     def __init__(self, cfg):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from ..engine.blocks import block_names, resolve_blocks
+        from ..engine.blocks import block_names, find_stacks
         from ..engine.data import first_batch, make_dataset
-        from ..engine.spec import build_model
+        from ..engine.spec import build_fake
 
         self.cfg = cfg
         self.target = _target(cfg)  # a CUDA run: attention keeps what its CUDA kernel keeps
@@ -273,11 +276,13 @@ class _Traced:
         self.lock, self.memo = threading.RLock(), {}
         real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
         with self.mode, torch.random.fork_rng(devices=[]):
-            self.model = build_model(cfg)[0].train()
+            model, _, self.how = build_fake(cfg, self.mode)
+            self.model = model.train()
         self.batch = torch.utils._pytree.tree_map(
             lambda t: self.mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, real_batch)
-        self.blocks = resolve_blocks(self.model, cfg.blocks_path)
-        self.block_names = block_names(cfg.blocks_path, self.blocks)
+        stacks = find_stacks(self.model, cfg.blocks_path)
+        self.blocks = [b for _, container in stacks for b in container]
+        self.block_names = block_names(stacks)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._per_block()
 
@@ -294,12 +299,22 @@ class _Traced:
         probe = probe or ActivationProbe()
         # one FakeTensorMode is not for two threads at once (the lab's plots and sliders)
         with self.lock:
-            self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
-            with self.mode, _as_real_for_transformers(self.batch), probe.forward(self.model), \
-                    autocast_for(self.cfg.precision, "cpu"), _on_device(self.target):
+            with self.stage("installing the checkpoint policy"):
+                self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
+            with self.stage("the forward"), self.mode, _as_real_for_transformers(self.batch), \
+                    probe.forward(self.model), autocast_for(self.cfg.precision, "cpu"), \
+                    _on_device(self.target):
                 compute_loss(self.model, self.batch, self.cfg.loss_fn)
         self.memo[key] = probe.bytes
         return probe.bytes
+
+    def stage(self, name):
+        """A failure in this stage of the trace becomes a `TraceError` naming it."""
+        from ..engine.empty import stage
+        from ..engine.spec import describe_spec
+
+        return stage(name, f"TrainConfig.model={describe_spec(self.cfg.model)}, built by "
+                           f"{self.how}")
 
     def _per_block(self):
         from torch.utils.flop_counter import FlopCounterMode
@@ -399,8 +414,10 @@ def traced_flops(cfg, setting=None):
     setting = _setting(cfg, setting)
     t = _traced(cfg)
     with t.lock:
-        cfg.checkpoint_policy(setting).apply(t.model, cfg.blocks_path)
-        with t.mode, _as_real_for_transformers(t.batch), FlopCounterMode(display=False) as counter:
+        with t.stage("installing the checkpoint policy"):
+            cfg.checkpoint_policy(setting).apply(t.model, cfg.blocks_path)
+        with t.stage("the step"), t.mode, _as_real_for_transformers(t.batch), \
+                FlopCounterMode(display=False) as counter:
             compute_loss(t.model, t.batch, cfg.loss_fn).backward()
     return counter.get_total_flops()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import html
 import threading
 
-from ..engine.policies import CheckpointSetting
 from .estimate import estimate
 from .units import fmt_bytes
 
@@ -40,9 +39,9 @@ class ConfigSync:
         """What the controls say, a `CheckpointSetting`: the per-block toggles once one was
         moved, else the segments slider (0: none)."""
         if self._selective:
-            return CheckpointSetting.from_mask([t.value for t in self.view.block_toggles])
-        return CheckpointSetting.of(self.view.controls["segments"].value or None,
-                                    self.cfg.n_blocks)
+            return self.cfg.setting([t.value for t in self.view.block_toggles] if any(
+                t.value for t in self.view.block_toggles) else None)
+        return self.cfg.setting(self.view.controls["segments"].value or None)
 
     def config(self):
         """The TrainConfig the controls describe (raises ValueError naming the field)."""

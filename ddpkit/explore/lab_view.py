@@ -26,15 +26,16 @@ class LabView:
     def _build_controls(self, c):
         """One control per config field the Lab edits, and one toggle per detected block."""
         n = c.n_blocks
+        shortest = min(c.stack_sizes or (n,))  # segments are made in each stack
         style = {"description_width": "110px"}
         full = lambda: W.Layout(width="auto", max_width="380px")  # noqa: E731
         self.controls = {
             "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style,
                                       layout=full()),
-            "segments": W.IntSlider(0, 0, n, description="ckpt segments", style=style,
+            "segments": W.IntSlider(0, 0, shortest, description="ckpt segments", style=style,
                                     layout=full(),
-                                    tooltip="0 = off; s = checkpoint_sequential segments "
-                                            "(the last segment is never checkpointed)"),
+                                    tooltip="0 = off; s = checkpoint_sequential segments in each "
+                                            "stack (the last segment is never checkpointed)"),
             "use_reentrant": W.Checkbox(c.use_reentrant, description="use_reentrant",
                                         indent=False),
             "accum_steps": W.IntSlider(c.accum_steps, 1, 16, description="accum steps",
@@ -47,10 +48,17 @@ class LabView:
             "steps": W.BoundedIntText(c.steps, 1, 100_000, description="steps", style=style,
                                       layout=full()),
         }
-        # one toggle per block the config found in the model (its full module name as tooltip)
+        # one toggle per block the config found in the model (its full module name as tooltip),
+        # counted over all its stacks in order
+        stacks = [(s.path, s.n_blocks) for s in c.info.stacks]
         self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint {name}",
                                              layout=W.Layout(width="44px"))
-                              for i, name in enumerate(block_names(c.blocks_path, range(n)))]
+                              for i, name in enumerate(block_names(stacks))]
+        # the toggles grouped by stack, each under its path, where the model has several
+        self.stack_toggles, start = [], 0
+        for path, k in stacks:
+            self.stack_toggles.append((path, self.block_toggles[start:start + k]))
+            start += k
 
     def _build_run_widgets(self, cfg):
         """Buttons, progress, the estimate read-out, error banner, rank output, history."""
@@ -81,7 +89,12 @@ class LabView:
         # (a wrapping flex row); the plots fill the rest of the width in a grid (plots.py)
         box = lambda items: W.Box(items, layout=W.Layout(  # noqa: E731
             display="flex", flex_flow="row wrap", align_items="center"))
-        left = W.VBox([*self.controls.values(), box(self.block_toggles), self.planner.widget,
+        if len(self.stack_toggles) > 1:
+            blocks = W.VBox([W.VBox([W.Label(f"{path} ({len(toggles)} blocks)"), box(toggles)])
+                             for path, toggles in self.stack_toggles])
+        else:
+            blocks = box(self.block_toggles)
+        left = W.VBox([*self.controls.values(), blocks, self.planner.widget,
                        box([self.run_button, self.stop_button]),
                        self.progress, self.progress_label, self.smooth, self.estimate_html,
                        self.torchrun_button, self.torchrun_text],

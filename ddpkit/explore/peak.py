@@ -40,10 +40,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..engine import memory, strategies
+from ..engine import empty, memory, strategies
 from ..engine.memory import optimizer_tensors, storages
 from ..engine.probes import ActivationProbe
-from ..engine.spec import build_model
+from ..engine.spec import build_fake, describe_spec
 from ..engine.step import train_step, zero_grad
 from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
                         watch_storage_resizes)
@@ -157,8 +157,12 @@ def simulate(cfg, rank=0, steps=2):
     with _LOCK, fake_world(rank, cfg.world_size), torch.random.fork_rng(devices=[]), mode, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live):
-        model = build_model(cfg)[0].train()
-        cfg.checkpoint_policy().apply(model, cfg.blocks_path)
+        model, _, how = build_fake(cfg, mode)  # no initialisation: `ddpkit.engine.empty`
+        model.train()
+        stage = functools.partial(empty.stage, model_name=f"TrainConfig.model="
+                                  f"{describe_spec(cfg.model)}, built by {how}", who="ddpkit.estimate(cfg).peak()")
+        with stage("installing the checkpoint policy"):
+            cfg.checkpoint_policy().apply(model, cfg.blocks_path)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
             mesh_ready = _premade_mesh(wrap_cfg, ctx)
         wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False, mesh=mesh_ready)
@@ -173,7 +177,7 @@ def simulate(cfg, rank=0, steps=2):
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
-            with _on_device(target):
+            with _on_device(target), stage("the step"):
                 peak = _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets,
                                  _as_real_for_transformers(real_batch))
             peaks.append(_with_workspaces(peak, target))
