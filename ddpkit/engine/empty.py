@@ -54,13 +54,13 @@ def _untouched(*args, **kwargs):
 def initialisers_off():
     """torch's ``nn.init`` functions, wherever a loaded module bound them, and transformers'
     init primitives, do nothing for the duration."""
-    originals = {name: getattr(torch.nn.init, name) for name in _INIT if hasattr(torch.nn.init, name)}
+    originals = {n: getattr(torch.nn.init, n) for n in _INIT if hasattr(torch.nn.init, n)}
     patched = []
     with _LOCK:
         for module in list(sys.modules.values()):
-            space = getattr(module, "__dict__", None) if isinstance(module, types.ModuleType) else None
-            if space is None:
+            if not isinstance(module, types.ModuleType):
                 continue
+            space = module.__dict__
             for name, fn in originals.items():
                 if space.get(name) is fn:
                     patched.append((space, name, fn))
@@ -121,7 +121,8 @@ def build_empty(factory, name, mode=None, who="ddpkit.estimate"):
                 return fake_no_init()
         ways = [("meta", on_meta), ("fake tensors, initialisers off", own_mode)]
     else:
-        ways = [("fake tensors, initialisers off", fake_no_init), ("meta, then fake", meta_then_fake),
+        ways = [("fake tensors, initialisers off", fake_no_init),
+                ("meta, then fake", meta_then_fake),
                 ("fake tensors, own initialisation", factory)]
     failed = []
     for how, way in ways:
@@ -138,9 +139,12 @@ def build_empty(factory, name, mode=None, who="ddpkit.estimate"):
 
 
 # ----------------------------------------------------------------------------- errors
-_WHAT = {"_local_scalar_dense": "a tensor's value is read (.item(), bool(tensor), int(tensor), "
-                                "an `if` or `while` on a tensor)",
-         "nonzero": "an output's size depends on the data (nonzero, masked_select, unique)"}
+_WHY = {  # the fake-tensor exception -> what the op needed that a fake tensor has not
+    "DataDependentOutputException": "a tensor's value is read: .item(), bool(tensor), an `if` "
+                                    "or `while` on a tensor",
+    "DynamicOutputShapeException": "its output's size depends on the data",
+    "UnsupportedOperatorException": "torch has no fake-tensor (meta) implementation of it",
+}
 _FIX = {
     "building the model":
         "ddpkit.train still runs it (real tensors); for the estimate, make the factory's "
@@ -149,23 +153,29 @@ _FIX = {
         "pass blocks= naming the stacks of repeated blocks to checkpoint (cfg.info lists those "
         "found), or checkpoint=None",
     "the forward":
-        "pass blocks= naming other stacks (cfg.info lists those found), data whose batch needs no "
-        "data-dependent branch (e.g. no padding in attention_mask), or estimate a smaller config "
-        "of the same model",
+        "ddpkit.train still runs it (real tensors); for the estimate, pass a loss= that avoids "
+        "that op (a model's own loss may check its labels' values), data whose batch needs no "
+        "data-dependent branch (no padding in attention_mask), blocks= naming other stacks "
+        "(cfg.info lists those found), or estimate a smaller config of the same model",
 }
 _FIX["the step"] = _FIX["the forward"]
 
 
-def _op(exc):
-    """The aten op a fake tensor could not run, from the exception or its causes."""
+def _fake_failure(exc):
+    """(op, why) of the aten op a fake tensor could not run, from the exception or its causes;
+    (None, None) when none is named."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         func = getattr(exc, "func", None)
         if func is not None:
-            return str(func)
+            return str(func), _WHY.get(type(exc).__name__)
         exc = exc.__cause__ or exc.__context__
-    return None
+    return None, None
+
+
+def _op(exc):
+    return _fake_failure(exc)[0]
 
 
 def _where(exc):
@@ -182,9 +192,8 @@ def _where(exc):
 
 def trace_error(stage, name, exc, tried=(), who="ddpkit.estimate"):
     """`TraceError` for a failure at ``stage`` of running ``name``'s model on fake tensors."""
-    op = _op(exc)
-    base = op.split(".")[0].removeprefix("aten.") if op else None
-    what = f"{op} ({_WHAT[base]})" if base in _WHAT else (op or f"{type(exc).__name__}: {exc}")
+    op, why = _fake_failure(exc)
+    what = f"{op} ({why})" if why else (op or f"{type(exc).__name__}: {exc}")
     text = f"{who}: {stage} ({name}) on fake tensors (no memory) failed: {what}{_where(exc)}"
     if len(tried) > 1:
         text += ". Tried, in order: " + "; ".join(

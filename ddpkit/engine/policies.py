@@ -101,7 +101,7 @@ class CheckpointSetting:
         """A setting from its plain value (or a setting, re-checked for ``n_blocks`` and
         ``stacks``)."""
         if isinstance(value, cls):
-            same = value.n_blocks == n_blocks and value.stacks == (tuple(stacks) if len(stacks) > 1 else ())
+            same = value.n_blocks == n_blocks and value.stacks == cls(None, n_blocks, stacks).stacks
             return value if same else cls(value.value, n_blocks, stacks)
         return cls(value, n_blocks, stacks)
 

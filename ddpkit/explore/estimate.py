@@ -353,26 +353,41 @@ def _on_device(target):
 @contextlib.contextmanager
 def _as_real_for_transformers(batch):
     """transformers takes a FakeTensor for a compile trace (``is_tracing``): it then cannot read
-    the mask data, so it builds an explicit causal mask instead of SDPA's ``is_causal=True``,
-    which sends attention down another kernel than the real run takes (another set of saved
-    tensors). For a batch with neither ``attention_mask`` nor ``position_ids`` the real run's
-    decisions need no data (no padding, positions 0..T-1, nothing packed), so during the trace
-    they are made as the run makes them. Other batches keep transformers' traced decisions."""
+    the mask data, so it builds an explicit attention mask instead of SDPA's ``is_causal=True``
+    (or no mask), which sends attention down another kernel than the real run takes (another
+    set of saved tensors). For a batch with neither ``attention_mask`` nor ``position_ids`` the
+    real run's decisions need no data: no padding (a padding mask the model makes itself, as
+    BART's decoder makes ``torch.ones``, is all ones), positions 0..T-1, nothing packed. So
+    during the trace they are made as the run makes them. Other batches keep transformers'
+    traced decisions."""
     masking = sys.modules.get("transformers.masking_utils")
-    names = ("_ignore_causal_mask_sdpa", "find_packed_sequence_indices")
+    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa",
+             "find_packed_sequence_indices")
     plain = isinstance(batch, dict) and not {"attention_mask", "position_ids"} & set(batch)
     if masking is None or not plain or not all(hasattr(masking, n) for n in names):
         yield
         return
     real = {n: getattr(masking, n) for n in names}
+    from torch._subclasses.fake_tensor import is_fake
+
+    def unpadded(mask):  # no mask, or one the model made without the batch's data: all ones
+        return mask is None or is_fake(mask)
 
     def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
-        if padding_mask is None and isinstance(q_offset, int) and local_attention_size is None:
-            return q_length == 1 or kv_length == q_length
+        if unpadded(padding_mask) and isinstance(q_offset, int) and local_attention_size is None:
+            return q_length == 1 or kv_length == q_length or (q_offset == 0 and
+                                                              padding_mask is None)
         return real["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset,
                                                 kv_offset, local_attention_size)
 
+    def ignore_bidirectional(padding_mask, kv_length, local_attention_size=None):
+        if unpadded(padding_mask) and local_attention_size is None:
+            return True
+        return real["_ignore_bidirectional_mask_sdpa"](padding_mask, kv_length,
+                                                       local_attention_size)
+
     masking._ignore_causal_mask_sdpa = ignore
+    masking._ignore_bidirectional_mask_sdpa = ignore_bidirectional
     masking.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield

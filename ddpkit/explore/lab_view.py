@@ -51,7 +51,8 @@ class LabView:
         # one toggle per block the config found in the model (its full module name as tooltip),
         # counted over all its stacks in order
         stacks = [(s.path, s.n_blocks) for s in c.info.stacks]
-        self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint {name}",
+        self.block_toggles = [W.ToggleButton(False, description=f"b{i}",
+                                             tooltip=f"checkpoint {name}",
                                              layout=W.Layout(width="44px"))
                               for i, name in enumerate(block_names(stacks))]
         # the toggles grouped by stack, each under its path, where the model has several
