@@ -67,9 +67,9 @@ def resolve_stacks(model, blocks):
     for p in paths:
         inside = [q for q in paths if q != p and (p.startswith(f"{q}.") or not q)]
         if inside or paths.count(p) > 1:
-            raise ValueError(f"TrainConfig.blocks={blocks!r}: {p!r} is named twice or lies "
-                             f"inside {inside[0] if inside else p!r}; name each stack once, "
-                             f"none inside another")
+            why = f"lies inside {inside[0]!r}" if inside else "is named twice"
+            raise ValueError(f"TrainConfig.blocks={blocks!r}: {p!r} {why}; name each stack "
+                             f"once, none inside another")
     return stacks
 
 
