@@ -147,8 +147,9 @@ _WHY = {  # the fake-tensor exception -> what the op needed that a fake tensor h
 }
 _FIX = {
     "building the model":
-        "ddpkit.train still runs it (real tensors); for the estimate, make the factory's "
-        "construction read no tensor values, or estimate a smaller config of the same model",
+        "make the factory's construction read no tensor values it makes itself (compute such "
+        "numbers in Python; a tensor made with an explicit device='cpu' is real in the meta "
+        "build, which then works), or estimate a smaller config of the same model",
     "installing the checkpoint policy":
         "pass blocks= naming the stacks of repeated blocks to checkpoint (cfg.info lists those "
         "found), or checkpoint=None",
