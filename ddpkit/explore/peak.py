@@ -159,8 +159,8 @@ def simulate(cfg, rank=0, steps=2):
             skip_dtensor_meta(live):
         model, _, how = build_fake(cfg, mode)  # no initialisation: `ddpkit.engine.empty`
         model.train()
-        stage = functools.partial(empty.stage, model_name=f"TrainConfig.model="
-                                  f"{describe_spec(cfg.model)}, built by {how}", who="ddpkit.estimate(cfg).peak()")
+        name = f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}"
+        stage = functools.partial(empty.stage, model_name=name, who="ddpkit.estimate(cfg).peak()")
         with stage("installing the checkpoint policy"):
             cfg.checkpoint_policy().apply(model, cfg.blocks_path)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
