@@ -9,7 +9,7 @@ engine) and ``rank/`` (inside a rank process) ← ``config`` (built on the engin
 Light at import: rank processes import this package too, so the notebook-only parts
 (widgets, plots) and the pitfall runners load on first use.
 """
-from .errors import RankError, RankStalled
+from .errors import RankError, RankStalled, TraceError
 from .runtime.handle import RunHandle, RunResult
 from .runtime.launch import launch
 from .runtime.pool import Pool
@@ -37,5 +37,5 @@ def __getattr__(name):
 
 
 __all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError", "RankStalled", "RunHandle",
-           "RunResult", "TrainConfig", "TrainResult", "doctor", "estimate", "launch", "plan",
+           "RunResult", "TraceError", "TrainConfig", "TrainResult", "doctor", "estimate", "launch", "plan",
            "sweep", "train"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .devices import check_bf16, local_world_size, resolve_devices, under_torchrun
 from .engine import spec
+from .engine.blocks import paths_of
 from .engine.models import build_builtin
 from .engine.policies import CheckpointSetting
 from .engine.strategies import COMM_HOOKS, STRATEGIES
@@ -37,9 +38,11 @@ class TrainConfig:
     loss: object = None
     """``loss(model, batch) -> scalar``, or an import path. None: a dict batch calls
     ``model(**batch).loss`` (transformers); a tuple batch calls ``model(*batch)``."""
-    blocks: str | None = None
-    """Dotted path of the container of repeated blocks that checkpointing and FSDP act on
-    ('transformer.h'); None finds the longest nn.ModuleList/nn.Sequential of one block class."""
+    blocks: object = None
+    """Where the repeated blocks are that checkpointing and FSDP act on: the dotted path of their
+    container ('transformer.h'), or several (['encoder.block', 'decoder.block'], or
+    'encoder.block,decoder.block'); None finds every stack (each nn.ModuleList/nn.Sequential of
+    blocks of one class that is not inside another; `cfg.info` lists them)."""
     n_blocks: int = 4
     """Number of identical blocks of a built-in model; for your own model it is read from the
     model (built once on the meta device, no memory used)."""
@@ -143,7 +146,7 @@ class TrainConfig:
         self._check_saving_and_probes()
         self._check_timeline()
         # one value type checks it; the config keeps the plain value (a list, not a tuple)
-        self.checkpoint = CheckpointSetting.of(self.checkpoint, self.n_blocks).plain
+        self.checkpoint = self.setting(self.checkpoint).plain
         self._check_devices()
 
     def _bad(self, name, why, fix):
@@ -239,6 +242,7 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.blocks={self.blocks!r}: the built-in models keep "
                                  f"their blocks in 'blocks'; pass blocks=None")
             return
+        self._check_blocks()
         if not callable(self.model) and not isinstance(self.model, str):
             raise ValueError(f"TrainConfig.model={self.model!r}: pass 'mlp', 'gpt', a callable "
                              f"returning an nn.Module, or an import path 'package.module:make_model'")
@@ -250,6 +254,22 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.data=None: {info.name} is not a Hugging Face causal "
                              f"LM, so ddpkit cannot make its data; pass data=make_data, a function "
                              f"(cfg) -> torch.utils.data.Dataset")
+
+    def _check_blocks(self):
+        """One path stays a string; several become a tuple of paths (hashable, plain data)."""
+        if self.blocks is None:
+            return
+        if isinstance(self.blocks, (list, tuple)) and all(isinstance(b, str) for b in self.blocks):
+            paths = tuple(self.blocks)
+        elif isinstance(self.blocks, str):
+            paths = paths_of(self.blocks)
+        else:
+            paths = ()
+        if not paths:
+            self._bad("blocks", "names no container of blocks",
+                      "pass a dotted path ('transformer.h'), a list of them (['encoder.block', "
+                      "'decoder.block']), or None to find every stack")
+        self.blocks = paths[0] if len(paths) == 1 else paths
 
     @property
     def builtin(self):
@@ -266,8 +286,20 @@ class TrainConfig:
 
     @property
     def blocks_path(self):
-        """Where the blocks are: 'blocks' in the built-in models, else the given or found path."""
+        """Where the blocks are, as ``blocks=`` names them: 'blocks' in the built-in models, else
+        the given or found path, or a tuple of paths where the model has several stacks."""
         return "blocks" if self.builtin else self.info.blocks
+
+    @property
+    def stack_sizes(self):
+        """The blocks of each stack, in order; () for one stack."""
+        sizes = () if self.builtin else self.info.stack_sizes
+        return sizes if len(sizes) > 1 else ()
+
+    def setting(self, value):
+        """The `CheckpointSetting` of a plain value (None, an int, 'full', a list) on this
+        config's blocks and stacks."""
+        return CheckpointSetting.of(value, self.n_blocks, self.stack_sizes)
 
     @property
     def loss_fn(self):
@@ -277,7 +309,7 @@ class TrainConfig:
     @property
     def checkpointing(self):
         """The checkpoint setting as its value type (`CheckpointSetting`)."""
-        return CheckpointSetting.of(self.checkpoint, self.n_blocks)
+        return self.setting(self.checkpoint)
 
     def checkpoint_policy(self, setting=None):
         """The `CheckpointPolicy` of ``setting`` (a `CheckpointSetting`; this config's when not
@@ -349,6 +381,8 @@ class TrainConfig:
                 args += [flag, str(value).lower()]
             elif isinstance(value, bool):
                 args.append(flag if value else "--no-" + name.replace("_", "-"))
+            elif name == "blocks":  # several stacks: one comma list
+                args += [flag, value if isinstance(value, str) else ",".join(value)]
             elif name == "checkpoint":  # the setting's one text form
                 args += [flag, str(self.checkpointing)]
             else:

@@ -12,7 +12,6 @@ import torch
 from . import saving, strategies
 from .data import RankBatches, make_dataset
 from .measure import Measure
-from .policies import CheckpointSetting
 from .spec import build_model
 from .step import train_step, zero_grad
 from .timeline import TimelineProbe
@@ -39,7 +38,7 @@ class LiveSettings:
         returns the names of those that changed."""
         changed = []
         if "checkpoint" in sent:
-            setting = CheckpointSetting.of(sent["checkpoint"], self.cfg.n_blocks)
+            setting = self.cfg.setting(sent["checkpoint"])
             if setting != self.checkpoint:
                 self.checkpoint = setting
                 self._install()

@@ -57,7 +57,7 @@ def wrap(cfg, model, ctx, count_comm=True, mesh=None, precision=None, watch=None
         dtype = mixed_dtype(cfg, precision)
         mp = {} if dtype is None else dict(mp_policy=MixedPrecisionPolicy(
             param_dtype=dtype, reduce_dtype=torch.float32))
-        for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block
+        for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block, every stack
             fully_shard(block, mesh=mesh, **mp)
         fully_shard(model, mesh=mesh, **mp)
         return model, optimizer_class(cfg)(model.parameters(), lr=cfg.lr), None

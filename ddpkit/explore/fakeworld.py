@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
 import torch.distributed as dist
@@ -57,11 +58,13 @@ def fake_world(rank, world_size):
     for name in skipped:
         skipped[name] = getattr(ddp_module, name)
         setattr(ddp_module, name, lambda *args, **kwargs: None)
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:": once per world
     dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
         for name, fn in skipped.items():
             setattr(ddp_module, name, fn)
 

@@ -40,12 +40,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..engine import memory, strategies
+from ..engine import empty, memory, strategies
 from ..engine.memory import optimizer_tensors, storages
 from ..engine.probes import ActivationProbe
 from ..engine.blocks import resolve_blocks
 from ..engine.policies import CheckpointSetting
-from ..engine.spec import fake_model
+from ..engine.spec import describe_spec, fake_model
 from ..engine.step import train_step, zero_grad
 from . import scale
 from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
@@ -168,16 +168,20 @@ def simulate(cfg, rank=0, steps=2, keep=None):
     mode = FakeTensorMode()
     template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                         real_batch)
-    model = fake_model(cfg, mode, keep)
+    with torch.random.fork_rng(devices=[]):
+        model, how = fake_model(cfg, mode, keep)  # no initialisation: `ddpkit.engine.empty`
+    stage = functools.partial(empty.stage, who="ddpkit.estimate(cfg).peak()",
+                              model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
     blocks = resolve_blocks(model, cfg.blocks_path)
-    setting = CheckpointSetting.of(cfg.checkpoint, len(blocks))
+    setting = cfg.checkpointing if keep is None else CheckpointSetting.of(cfg.checkpoint, len(blocks))
     with _LOCK, fake_world(rank, cfg.world_size), torch.random.fork_rng(devices=[]), mode, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live):
         # made before the tracking began (no name left holding the last of them: FSDP frees
         # the originals once sharded, and so must the simulation)
         live.adopt([*model.parameters(), *model.buffers()])
-        cfg.checkpoint_policy(setting).apply(model, cfg.blocks_path)
+        with stage("installing the checkpoint policy"):
+            cfg.checkpoint_policy(setting).apply(model, cfg.blocks_path)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
             mesh_ready = _premade_mesh(wrap_cfg, ctx)
         wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False,
@@ -194,7 +198,7 @@ def simulate(cfg, rank=0, steps=2, keep=None):
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
-            with on_device(target):
+            with on_device(target), stage("the step"):
                 peak, cut = _one_step(cfg, step, live, model, wrapped, optimizer, batches,
                                       buckets, as_real_for_transformers(real_batch))
             extra = cublas_workspaces(target) if target is not None else 0

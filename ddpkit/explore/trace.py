@@ -47,7 +47,7 @@ class Traced:
     def __init__(self, cfg, keep=None):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from ..engine.blocks import block_names, resolve_blocks
+        from ..engine.blocks import block_names, find_stacks
         from ..engine.spec import fake_model
 
         self.cfg, self.keep, self.n = cfg, keep, cfg.n_blocks
@@ -57,16 +57,27 @@ class Traced:
         real_batch = example_batch(cfg)
         # FSDP's mixed precision computes with bf16 parameters and casts float inputs to bf16
         dtype = strategies.mixed_dtype(cfg)
-        self.model = fake_model(cfg, self.mode, keep, dtype)
+        with torch.random.fork_rng(devices=[]):
+            self.model, self.how = fake_model(cfg, self.mode, keep, dtype)
         cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
         self.batch = torch.utils._pytree.tree_map(
             lambda t: self.mode.from_tensor(cast(t)) if isinstance(t, torch.Tensor) else t,
             real_batch)
-        self.blocks = resolve_blocks(self.model, cfg.blocks_path)
-        self.block_names = block_names(cfg.blocks_path, range(self.n))
+        stacks = find_stacks(self.model, cfg.blocks_path)
+        self.blocks = [b for _, container in stacks for b in container]
+        # a cut model (one stack) is named as the whole one
+        self.block_names = block_names([(p, self.n) for p, _ in stacks] if keep else stacks)
         self._per_block()
         if keep is not None:
             self._carry()
+
+    def stage(self, name):
+        """A failure in this stage of the trace becomes a `TraceError` naming it."""
+        from ..engine.empty import stage
+        from ..engine.spec import describe_spec
+
+        return stage(name, f"TrainConfig.model={describe_spec(self.cfg.model)}, built by "
+                           f"{self.how}")
 
     @property
     def scaled(self):
@@ -92,8 +103,10 @@ class Traced:
         probe = probe or ActivationProbe()
         # one FakeTensorMode is not for two threads at once (the lab's plots and sliders)
         with self.lock:
-            self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
-            with self.mode, as_real_for_transformers(self.batch), probe.forward(self.model), \
+            with self.stage("installing the checkpoint policy"):
+                self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
+            with self.stage("the forward"), self.mode, as_real_for_transformers(self.batch), \
+                    probe.forward(self.model), \
                     autocast_for(strategies.autocast_precision(self.cfg), "cpu"), \
                     on_device(self.target):
                 compute_loss(self.model, self.batch, self.cfg.loss_fn)
@@ -113,8 +126,9 @@ class Traced:
         from ..engine.spec import compute_loss
 
         with self.lock:
-            self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
-            with self.mode, as_real_for_transformers(self.batch), \
+            with self.stage("installing the checkpoint policy"):
+                self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
+            with self.stage("the step"), self.mode, as_real_for_transformers(self.batch), \
                     FlopCounterMode(display=False) as counter:
                 compute_loss(self.model, self.batch, self.cfg.loss_fn).backward()
         return counter.get_total_flops(), {k: sum(v.values()) for k, v in
@@ -205,26 +219,41 @@ def on_device(target):
 @contextlib.contextmanager
 def as_real_for_transformers(batch):
     """transformers takes a FakeTensor for a compile trace (``is_tracing``): it then cannot read
-    the mask data, so it builds an explicit causal mask instead of SDPA's ``is_causal=True``,
-    which sends attention down another kernel than the real run takes (another set of saved
-    tensors). For a batch with neither ``attention_mask`` nor ``position_ids`` the real run's
-    decisions need no data (no padding, positions 0..T-1, nothing packed), so during the trace
-    they are made as the run makes them. Other batches keep transformers' traced decisions."""
+    the mask data, so it builds an explicit attention mask instead of SDPA's ``is_causal=True``
+    (or no mask), which sends attention down another kernel than the real run takes (another
+    set of saved tensors). For a batch with neither ``attention_mask`` nor ``position_ids`` the
+    real run's decisions need no data: no padding (a padding mask the model makes itself, as
+    BART's decoder makes ``torch.ones``, is all ones), positions 0..T-1, nothing packed. So
+    during the trace they are made as the run makes them. Other batches keep transformers'
+    traced decisions."""
     masking = sys.modules.get("transformers.masking_utils")
-    names = ("_ignore_causal_mask_sdpa", "find_packed_sequence_indices")
+    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa",
+             "find_packed_sequence_indices")
     plain = isinstance(batch, dict) and not {"attention_mask", "position_ids"} & set(batch)
     if masking is None or not plain or not all(hasattr(masking, n) for n in names):
         yield
         return
     real = {n: getattr(masking, n) for n in names}
+    from torch._subclasses.fake_tensor import is_fake
+
+    def unpadded(mask):  # no mask, or one the model made without the batch's data: all ones
+        return mask is None or is_fake(mask)
 
     def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
-        if padding_mask is None and isinstance(q_offset, int) and local_attention_size is None:
-            return q_length == 1 or kv_length == q_length
+        if unpadded(padding_mask) and isinstance(q_offset, int) and local_attention_size is None:
+            return q_length == 1 or kv_length == q_length or (q_offset == 0 and
+                                                              padding_mask is None)
         return real["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset,
                                                 kv_offset, local_attention_size)
 
+    def ignore_bidirectional(padding_mask, kv_length, local_attention_size=None):
+        if unpadded(padding_mask) and local_attention_size is None:
+            return True
+        return real["_ignore_bidirectional_mask_sdpa"](padding_mask, kv_length,
+                                                       local_attention_size)
+
     masking._ignore_causal_mask_sdpa = ignore
+    masking._ignore_bidirectional_mask_sdpa = ignore_bidirectional
     masking.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
@@ -270,7 +299,8 @@ def traced(cfg, keep="auto"):
     """The `Traced` model of ``cfg`` (cached): ``keep="auto"``: its first `TRACED_BLOCKS`
     blocks above `SCALE_ABOVE` parameters (more than 4 blocks), else the whole model."""
     if keep == "auto":
-        big = cfg.n_blocks > TRACED_BLOCKS + 1 and cfg.info.n_params > SCALE_ABOVE
+        big = (cfg.n_blocks > TRACED_BLOCKS + 1 and cfg.info.n_params > SCALE_ABOVE
+               and len(cfg.info.stacks) == 1)  # several stacks: traced whole
         keep = TRACED_BLOCKS if big else None
     key = _trace_key(cfg) + (keep,)
     with _TRACES_LOCK:
@@ -288,7 +318,8 @@ def as_setting(cfg, setting):
         return cfg.checkpointing
     if not isinstance(setting, CheckpointSetting):
         raise TypeError(f"pass a CheckpointSetting (CheckpointSetting.of({setting!r}, "
-                        f"{cfg.n_blocks})), or nothing for the config's own setting")
+                        f"{cfg.n_blocks})), or nothing for the config's own setting; "
+                        f"cfg.setting({setting!r}) makes one on this config's stacks")
     return setting
 
 
