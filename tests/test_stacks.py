@@ -144,8 +144,8 @@ def test_the_doctor_checkpoints_every_stack():
 
 def test_the_lab_shows_the_stacks():
     cfg = ddpkit.TrainConfig(**T5, **RUN)
-    with ddpkit.Lab(cfg, display=False) as lab:
-        assert [(p, len(t)) for p, t in lab.view.stack_toggles] == [(p, 4) for p in BOTH]
+    with ddpkit.Lab(cfg) as lab:
+        assert [(p, len(names)) for p, names in lab.blocks.stacks] == [(p, 4) for p in BOTH]
         assert lab.controls["segments"].max == 4  # segments are made in each stack
         lab.controls["segments"].value = 2
         assert [t.value for t in lab.block_toggles] == [True, True, False, False] * 2

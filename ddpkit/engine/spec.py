@@ -283,7 +283,8 @@ def fake_model(cfg, mode, keep=None, dtype=None):
     """``(model, how)``: `build_fake`'s model in training mode, cut to its first ``keep`` blocks
     when asked (the estimate at real sizes traces a few and scales; one stack only), its floating
     parameters and buffers in ``dtype`` when given (FSDP's mixed precision computes with them
-    so; a tied weight stays one tensor: ``Module.to`` converts each parameter in place)."""
+    so: made again empty in that dtype, a tied weight once; ``Module.to`` cannot swap a fake
+    tensor that FakeTensorMode's memo holds a weak reference to)."""
     from .blocks import find_stacks
 
     with mode:
@@ -295,5 +296,22 @@ def fake_model(cfg, mode, keep=None, dtype=None):
                                  f"one has {len(stacks)}")
             del stacks[0][1][keep:]
         if dtype is not None:
-            model.to(dtype)
+            _recast(model, dtype)
     return model.train(), how
+
+
+def _recast(model, dtype):
+    """Each floating parameter and buffer of ``model`` (empty: fake or meta) made again in
+    ``dtype``, a tensor held in two places once."""
+    made = {}
+
+    def recast(t):
+        if id(t) not in made:
+            new = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+            made[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)]
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None and t.is_floating_point():
+                    table[name] = recast(t)
