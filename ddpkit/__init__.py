@@ -16,7 +16,7 @@ from .runtime.pool import Pool
 from .config import TrainConfig
 from .explore.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import
-from .explore.plan import plan
+from .explore.plan import fits, largest_micro_batch, plan
 from .engine.policies import CheckpointSetting
 from .rank.context import Context
 from .explore.api import TrainResult, sweep, train
@@ -37,5 +37,5 @@ def __getattr__(name):
 
 
 __all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError", "RankStalled", "RunHandle",
-           "RunResult", "TraceError", "TrainConfig", "TrainResult", "doctor", "estimate", "launch", "plan",
+           "RunResult", "TraceError", "TrainConfig", "TrainResult", "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan",
            "sweep", "train"]
