@@ -43,10 +43,9 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
     saved = wrapped if fsdp else model  # FSDP saves its shards (DCP); DDP the unwrapped module
     # built-in data keep their fixed order (sample i is the same for any world size); a
     # dataset of yours is shuffled by DistributedSampler, seeded, a new order each epoch
-    before = peak.allocated() if peak else 0
-    dataset = make_dataset(cfg)
-    if peak:  # the dataset stays in host memory on a GPU run: left out of the peak
-        peak.leave_out(peak.allocated() - before)
+    # the dataset stays in host memory on a GPU run: left out of the peak
+    with peak.leaving_out() if peak else nullcontext():
+        dataset = make_dataset(cfg)
     data = RankBatches(dataset, ctx.rank, ctx.world_size, seed=cfg.seed, shuffle=not cfg.builtin)
     acts = ActivationProbe() if "activations" in probes else None
     timer = StepTimer(ctx.device)
