@@ -82,8 +82,8 @@ def _own_settings(model, cfg):
             f"use_reentrant={reentrant}): ddpkit turns it off for its runs and checkpoints by "
             f"TrainConfig.checkpoint={cfg.checkpoint!r} instead.{crash}",
             "choose the checkpointing with TrainConfig.checkpoint and use_reentrant; outside "
-            "ddpkit, gradient_checkpointing_kwargs={'use_reentrant': False} or "
-            "find_unused_parameters=False"))
+            "ddpkit, activation_checkpointing_kwargs={'use_reentrant': False} "
+            "(gradient_checkpointing_kwargs before transformers 5) or find_unused_parameters=False"))
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False) and (on or cfg.checkpoint is not None):
         out.append(Finding(
