@@ -65,15 +65,17 @@ MODE=$([ "$GPUS" -ge 2 ] && echo "NCCL, one GPU per rank" || echo "1 GPU shared 
 # NCCL's start-up (a few seconds). tests/gpu starts 19 runs: 16 of 1-2 ranks, 3 of GPUs+1 ranks
 # (the shared-GPU runs), so its limit grows with the GPU count; capped so the whole stays <= 300.
 # The sequential stages' limits plus 5 s of grace each (timeout's --kill-after) add up to 300 s.
+# bench.peak --device cuda (two GPT-2 small runs, 3 steps each, and their simulations, about
+# 30 s on CPU for the simulations) runs beside them, like the notebooks.
 # GPU_CHECK_LIMIT_PERCENT scales every limit (tests/test_gpu_check.py runs the script that way).
 RANKS=$((GPUS + 1))
-L_ENV=20 L_NB=120 L_LAUNCH=50 L_OVERHEAD=35
+L_ENV=20 L_NB=120 L_LAUNCH=50 L_OVERHEAD=35 L_PEAK=120
 L_TESTS=$((100 + 10 * RANKS))
 CAP=$((300 - L_ENV - L_LAUNCH - L_OVERHEAD - 4 * 5))
 [ "$L_TESTS" -gt "$CAP" ] && L_TESTS=$CAP
 scale() { local v=$(( $1 * ${GPU_CHECK_LIMIT_PERCENT:-100} / 100 )); echo $(( v < 1 ? 1 : v )); }
 L_ENV=$(scale $L_ENV) L_NB=$(scale $L_NB) L_LAUNCH=$(scale $L_LAUNCH)
-L_OVERHEAD=$(scale $L_OVERHEAD) L_TESTS=$(scale $L_TESTS)
+L_OVERHEAD=$(scale $L_OVERHEAD) L_TESTS=$(scale $L_TESTS) L_PEAK=$(scale $L_PEAK)
 
 ROWS=()
 FAILED=0
@@ -143,6 +145,9 @@ print("SDPA kernel the estimate assumes for notebook 02 GPT (fp32):",
 stage_bg gpu-tests "$L_TESTS" "passed|failed|error|skipped" "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
 stage_bg notebooks "$L_NB" "passed|failed|error" "$PY" -m pytest -q -p no:cacheprovider --nbmake \
   --nbmake-kernel=python3 --nbmake-timeout="$L_NB" notebooks/01_launch.ipynb notebooks/02_checkpointing.ipynb
+# the step's peak, measured by max_memory_allocated beside the simulated prediction: two rows
+# of bench.peak's table (GPT-2 small), memory only, so it runs beside the tests
+stage_bg peak "$L_PEAK" "worst|within 3%" "$PY" -m bench.peak --device cuda
 join
 
 # timings last, alone on the machine

@@ -82,7 +82,7 @@ def kernel_cost(updates=50):
 
     def records(step):
         return [dict(rank=r, step=step, loss=1 / (step + 1), step_time_s=0.004, accum_steps=1,
-                     checkpoint="None", changed="", activation_bytes=40_000, allreduce_calls=1,
+                     checkpoint=None, changed="", activation_bytes=40_000, allreduce_calls=1,
                      **({"peak_bytes": 900_000} if step % 10 == 1 else {})) for r in (0, 1)]
 
     def per_update(history, full):

@@ -14,18 +14,16 @@ import sys
 
 from .config import TrainConfig
 from .devices import under_torchrun
+from .engine.policies import CheckpointSetting
 from .explore.demo import DEMO_STEPS
 
 
 def _checkpoint_arg(text):
-    """none | S (segments) | full | a comma list of 0/1, one per block ("1,0,1,0"; "1," for one)."""
-    if text.lower() in ("none", "off"):
-        return None
-    if text == "full":
-        return "full"
-    if "," in text:
-        return [t.strip() in ("1", "true", "True") for t in text.split(",") if t.strip()]
-    return int(text)
+    """The setting's text form (`CheckpointSetting.parse`), its error said as argparse's."""
+    try:
+        return CheckpointSetting.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _measure_arg(text):
@@ -45,7 +43,7 @@ def _config_parser(parser):
         default = f.default
         if f.name == "checkpoint":
             parser.add_argument(flag, type=_checkpoint_arg, default=None,
-                                help="none | S (segments) | full | 1,0,1,0 (one per block)")
+                                help="none | S (segments) | full | 1,0,1,0, (one per block)")
         elif f.name == "measure":
             parser.add_argument(flag, type=_measure_arg, default=True,
                                 help="true | false | activations,peak,comm")
@@ -112,6 +110,7 @@ class Progress:
         from tqdm import tqdm
 
         self.verbose, self.mem, self.started = verbose, None, False
+        self.n_blocks = cfg.n_blocks
         self.bar = tqdm(total=cfg.steps, desc="starting ranks", unit="step", file=sys.stderr,
                         dynamic_ncols=True)
 
@@ -133,6 +132,10 @@ class Progress:
         self.bar.update(1)
         if self.verbose:
             from .rank.context import format_record
+
+            if "checkpoint" in record:  # the setting's one text form, as the CLI takes it
+                text = str(CheckpointSetting.of(record["checkpoint"], self.n_blocks))
+                record = {**record, "checkpoint": text}
             self.bar.write(format_record(record), file=sys.stdout)
 
     def close(self):
@@ -152,7 +155,7 @@ def summary_table(cfg, records):
             ("step time", f"{1000 * s['step_time_s']:.2f} ms median, IQR "
                           f"{1000 * s['step_time_iqr_s']:.2f} ms"),
             ("samples/s", f"{cfg.global_batch / s['step_time_s']:.0f}"),
-            ("checkpoint", cfg.checkpointing.describe())]
+            ("checkpoint", cfg.checkpointing.label())]
     if "activation_bytes" in s:
         rows.append(("activations", f"{fmt_bytes(s['activation_bytes'])} per rank"))
     if "peak_bytes" in s:

@@ -106,6 +106,11 @@ class TrainConfig:
     profiler window, which roughly doubles that one step's time; 1 probes every step. Activation
     bytes are measured at the first step, every peak_every steps and at a change, and each
     record carries the last measurement (they depend only on the setting and the batch shapes)."""
+    memory_snapshot: str | None = None
+    """A folder: on CUDA, step 1 (the steady state) runs with the caching allocator's history
+    recorded, written as ``rank{r}-step1.pickle`` for https://pytorch.org/memory_viz (each
+    block, its size and the stack that made it). CUDA only: on CPU the peak's ledger says what
+    the peak is made of."""
     stall_timeout_s: float = 120.0
     extra: dict = field(default_factory=dict, repr=False)
     """Free-form tags carried into results (not used by the engine)."""
@@ -233,6 +238,13 @@ class TrainConfig:
         """The checkpoint setting as its value type (`CheckpointSetting`)."""
         return CheckpointSetting.of(self.checkpoint, self.n_blocks)
 
+    def checkpoint_policy(self, setting=None):
+        """The `CheckpointPolicy` of ``setting`` (a `CheckpointSetting`; this config's when not
+        given), checkpointing this config's way (use_reentrant, preserve_rng_state)."""
+        setting = self.checkpointing if setting is None else setting
+        return setting.build(use_reentrant=self.use_reentrant,
+                             preserve_rng_state=self.preserve_rng_state)
+
     def _check_devices(self):
         # under torchrun the world spans machines: this machine runs only its own ranks
         here = local_world_size(self.world_size) if under_torchrun() else self.world_size
@@ -240,6 +252,11 @@ class TrainConfig:
         if self.precision == "fp16" and device != "cuda":
             raise ValueError("TrainConfig.precision='fp16' needs CUDA (GradScaler on CPU is a "
                              "no-op); on CPU pass precision='bf16' or 'fp32'")
+        if self.memory_snapshot and device != "cuda":
+            raise ValueError(f"TrainConfig.memory_snapshot={self.memory_snapshot!r}: the "
+                             f"allocator history is CUDA's; this run is on {device}, where each "
+                             f"probed step's peak_ledger says what the peak is made of: pass "
+                             f"memory_snapshot=None")
         if self.precision == "bf16" and device == "cuda":
             check_bf16(here)
         if self.comm_hook == "bf16" and backend != "nccl":
@@ -286,8 +303,8 @@ class TrainConfig:
                 args += [flag, str(value).lower()]
             elif isinstance(value, bool):
                 args.append(flag if value else "--no-" + name.replace("_", "-"))
-            elif isinstance(value, list):  # trailing comma: a list even of one block
-                args += [flag, ",".join("1" if b else "0" for b in value) + ","]
+            elif name == "checkpoint":  # the setting's one text form
+                args += [flag, str(self.checkpointing)]
             else:
                 args += [flag, str(value)]
         return args

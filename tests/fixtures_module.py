@@ -60,3 +60,29 @@ def make_llama():
                                         num_attention_heads=4, num_key_value_heads=2,
                                         vocab_size=64, max_position_embeddings=32,
                                         bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def make_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=4, vocab_size=64,
+                                      max_position_embeddings=32, pad_token_id=0,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Token sequences as a masked LM takes them: {"input_ids", "labels"} (every position)."""
+
+    def __init__(self, n, seq_len, vocab=64):
+        self.ids = torch.randint(1, vocab, (n, seq_len), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_tokens(cfg):
+    return Tokens(256, cfg.seq_len)

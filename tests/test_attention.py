@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend
 
 import ddpkit
 from ddpkit import devices
+from ddpkit.engine.policies import CheckpointSetting
 from ddpkit.explore import attention as A
 from ddpkit.explore.estimate import activation_bytes, estimate, trace_activations
 
@@ -180,13 +181,14 @@ def gpus(monkeypatch):
 @pytest.mark.parametrize("seq_len", [32, 40])
 def test_a_cuda_runs_estimate_counts_the_efficient_kernels_extra_bytes(gpus, seq_len):
     cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=32, seq_len=seq_len, micro_batch=3)
-    on_cpu = {s: activation_bytes(cfg, s) for s in (None, 2, "full")}
+    setting = lambda s: CheckpointSetting.of(s, cfg.n_blocks)  # noqa: E731
+    on_cpu = {s: activation_bytes(cfg, setting(s)) for s in (None, 2, "full")}
     gpus(1)  # 2 ranks share one GPU (the notebook host): CUDA, efficient kernel in fp32
     B, H = cfg.micro_batch, cfg.n_heads
     per_block = 16 + B * H * (math.ceil(seq_len / 32) * 32 - seq_len) * 4
-    for setting, plain_blocks in ((None, 4), (2, 2), ("full", 0)):
-        formula, traced = activation_bytes(cfg, setting), trace_activations(cfg, setting)
-        assert formula == traced == on_cpu[setting] + plain_blocks * per_block, setting
+    for s, plain_blocks in ((None, 4), (2, 2), ("full", 0)):
+        formula, traced = activation_bytes(cfg, setting(s)), trace_activations(cfg, setting(s))
+        assert formula == traced == on_cpu[s] + plain_blocks * per_block, s
     assert estimate(cfg).method == "formula"
 
 

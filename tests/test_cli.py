@@ -70,6 +70,14 @@ def test_cli_config_error_names_the_field(capsys):
     assert "TrainConfig.checkpoint=9: segments must be between 1 and n_blocks=4" in capsys.readouterr().err
 
 
+def test_cli_checkpoint_text_error_names_the_forms(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--checkpoint", "half"])
+    assert info.value.code == 2
+    assert ("TrainConfig.checkpoint='half': write none, a segment count, full, or one 0/1 per "
+            "block with commas (1,0,1,0,)") in capsys.readouterr().err
+
+
 def test_to_torchrun_prints_a_cluster_command():
     cfg = ddpkit.TrainConfig(checkpoint=2, accum_steps=4, use_reentrant=True)
     cmd = cfg.to_torchrun(nproc_per_node=8, nnodes=4)

@@ -252,6 +252,13 @@ def test_bad_arguments_name_the_fix():
         doctor("mlp", x())
 
 
+def test_a_whole_call_is_an_example_input():
+    # keyword arguments, a loss of your own: the example is a function model -> loss
+    found = doctor(Plain(), lambda m: m(inp=x()), checkpoint=["first"], use_reentrant=True)
+    assert kinds(found) == [("reentrant_input_no_grad", "first")]
+    assert doctor(Plain(), lambda m: m(inp=x()), checkpoint=["mid"], use_reentrant=True) == []
+
+
 def test_findings_read_well():
     found = doctor(Plain(spare=True), x())
     assert isinstance(found[0], Finding) and found.pitfalls == ["unused_parameters"]

@@ -46,6 +46,7 @@ case "$*" in
   *nbmake*) echo ".."; echo "2 passed in 1.00s" ;;
   *bench.launch*) exec sleep 60 ;;
   *bench.overhead*) echo "all probes on / plain: 1.01; target <= 1.03: met" ;;
+  *bench.peak*) echo "GPT-2 s128 b1: worst +0.100%, phases agree" ;;
 esac
 """
 
@@ -59,6 +60,6 @@ def test_skipped_stages_and_a_timeout_are_reported_as_such(tmp_path):
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
             for line in out.stdout.splitlines() if line.startswith("| ") and "stage" not in line}
     assert rows == {"env": "pass", "gpu-tests": "skipped", "notebooks": "pass",
-                    "launch": "TIMEOUT (limit 2s)", "overhead": "pass"}
+                    "launch": "TIMEOUT (limit 2s)", "overhead": "pass", "peak": "pass"}
     assert out.returncode == 1
     assert "!! TIMEOUT: stage 'launch' ran past its 2 s limit" in out.stderr

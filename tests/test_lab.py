@@ -1,5 +1,6 @@
 """The lab without a browser: what its buttons and sliders do, on real gloo ranks."""
 import html
+import re
 import time
 
 import pytest
@@ -66,7 +67,9 @@ def test_mid_run_changes_land_on_every_rank_at_one_step(lab):
     k = changes["checkpoint"]
     before, after = by_rank[0][k - 1]["activation_bytes"], by_rank[0][k]["activation_bytes"]
     assert after < before  # activation memory drops the step checkpointing goes on
-    assert by_rank[0][k]["checkpoint"] == "2" and by_rank[0][k - 1]["checkpoint"] == "None"
+    assert by_rank[0][k]["checkpoint"] == 2 and by_rank[0][k - 1]["checkpoint"] is None
+    # the mark says what the setting means ("ckpt 1" would read as checkpointing on)
+    assert f"step {k}: 2 segments" in [a.text for a in lab.plots.loss.layout.annotations]
     a = changes["accum_steps"]
     assert by_rank[1][a - 1]["accum_steps"] == 1 and by_rank[1][a]["accum_steps"] == 2
     # the figure got a marker for each change
@@ -106,7 +109,9 @@ def test_a_rank_error_shows_a_banner_and_the_lab_is_ready_again(lab):
     wait_for_steps(lab, 2)
     handle.send_control(checkpoint="bogus")  # what a broken control would do
     row = lab.wait(timeout=60)
-    assert row["status"] == "error" and "rank 0 failed" in row["error"]
+    # every rank refuses the setting at the same step: the culprit is whichever spoke first
+    assert row["status"] == "error" and re.search(r"rank [01] failed", row["error"])
+    assert "TrainConfig.checkpoint='bogus'" in row["error"]
     assert "failed" in lab.banner.value and "#c00" in lab.banner.value
     assert "Traceback" in lab.traceback.children[0].value
     lab.set(steps=3)
@@ -151,7 +156,7 @@ def test_lab_runs_a_transformers_model_with_its_own_blocks():
         lab.run()
         wait_for_steps(lab, 3)
         lab.block_toggles[0].value = lab.block_toggles[2].value = True  # mid-run, per block
-        wanted = "[True, False, True, False]"  # the two clicks may land one or two steps apart
+        wanted = [True, False, True, False]  # the two clicks may land one or two steps apart
         deadline = time.monotonic() + 30
         while not any(m["checkpoint"] == wanted for m in list(lab.metrics)):
             assert time.monotonic() < deadline, "the block toggles never reached the ranks"
@@ -161,15 +166,40 @@ def test_lab_runs_a_transformers_model_with_its_own_blocks():
     by_step = {m["step"]: m for m in lab.metrics if m["rank"] == 0}
     step = min(s for s, m in by_step.items() if m["checkpoint"] == wanted)
     assert by_step[step]["changed"] == "checkpoint"
-    assert {m["checkpoint"] for m in lab.metrics if m["step"] == step} == {wanted}  # both ranks
+    assert [m["checkpoint"] for m in lab.metrics if m["step"] == step] == [wanted] * 2  # both ranks
     assert by_step[step]["activation_bytes"] == ddpkit.estimate(
         cfg.replace(checkpoint=[True, False, True, False])).activations
     assert by_step[0]["activation_bytes"] == ddpkit.estimate(cfg).activations
 
 
+def test_the_segments_slider_moves_bytes_wherever_checkpoint_sequential_would():
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def gpt2_6():
+        return GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=32, n_head=4, vocab_size=64,
+                                          n_positions=32, bos_token_id=0, eos_token_id=0))
+
+    run = dict(world_size=2, micro_batch=2, seq_len=16, backend="gloo", device="cpu")
+    moved = {}
+    # GPT-2 loops over its own ModuleList; the built-in gpt calls an nn.Sequential whole, where
+    # the segments are checkpoint_sequential's own
+    for name, model in (("gpt2", dict(model=gpt2_6)), ("sequential", dict(model="gpt", n_blocks=6))):
+        with ddpkit.Lab(ddpkit.TrainConfig(**model, **run), display=False) as lab:
+            shown, kept = [], []
+            for s in range(0, 7):
+                lab.set(segments=s)
+                shown.append(lab.estimate_html.value)
+                kept.append(ddpkit.estimate(lab.config()).activations)
+        moved[name] = [b != a for a, b in zip(kept, kept[1:])]
+        assert [b != a for a, b in zip(shown, shown[1:])] == moved[name]  # the read-out too
+    # 0 -> 1 keeps the same (one segment, never checkpointed); every later step moves the bytes
+    assert moved["gpt2"] == moved["sequential"] == [False, True, True, True, True, True]
+
+
 def _records(step, world_size=2):
     return [dict(rank=r, step=step, loss=1.0 / (step + 1), step_time_s=0.004, accum_steps=1,
-                 checkpoint="None", changed="", activation_bytes=40_000, allreduce_calls=1,
+                 checkpoint=None, changed="", activation_bytes=40_000, allreduce_calls=1,
                  **({"peak_bytes": 900_000} if step % 10 == 1 else {}))
             for r in range(world_size)]
 
@@ -286,3 +316,49 @@ def test_the_all_reduce_axis_counts_whole_calls_from_zero():
         plots.add({**rec, "allreduce_calls": 8})
     plots.flush(force=True)
     assert plots.timing.layout.yaxis2.range[1] > 8 and plots.timing.layout.yaxis2.dtick == 2
+
+
+def _until(check, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.05)
+
+
+def test_the_readout_shows_the_steps_predicted_peak(lab):
+    lab.set(segments=2)
+    want = ddpkit.estimate(lab.config()).peak()
+    # the simulated step runs on the read-out's own thread: the kernel is not held up
+    _until(lambda: "the step's peak" in lab.estimate_html.value)
+    text = html.unescape(lab.estimate_html.value)
+    assert f"the step's peak</b>: {ddpkit.explore.units.fmt_bytes(want.bytes)} in the " \
+           f"{want.phase}" in text
+
+
+def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
+    lab.set(steps=4)
+    lab.run()
+    lab.wait(timeout=120)
+    panel = lab.peaks
+
+    def predicted():
+        panel.refresh(force=True)
+        return "%" in panel.table.value and "simulating" not in panel.table.value
+    _until(predicted)
+    last = {m["rank"]: m for m in lab.metrics if "peak_bytes" in m}
+    rows = re.findall(r"<tr><td>rank (\d), step (\d+)</td><td>(.*?)</td><td>(.*?)</td>"
+                      r"<td>([-+\d.]+)%</td></tr>", panel.table.value)
+    assert sorted(int(r[0]) for r in rows) == [0, 1]
+    for rank, step, measured, predicted, err in rows:
+        m = last[int(rank)]
+        want = ddpkit.estimate(lab.config()).peak(step=min(m["step"], 1), rank=m["rank"])
+        assert int(step) == m["step"] and f"in the {m['peak_phase']}" in measured
+        assert f"in the {want.phase}" in predicted and abs(float(err)) <= 3
+    # one stacked bar per rank measured, one predicted; each bar's segments add up to its peak
+    bars = {}
+    for trace in panel.figure.data:
+        for name, x in zip(trace.y, trace.x):
+            bars[name] = bars.get(name, 0) + x
+    assert set(bars) == {"r0 measured", "r1 measured", "r0 predicted"}
+    unit = dict(ddpkit.explore.units.UNITS)[panel.figure.layout.xaxis.title.text]
+    assert bars["r0 measured"] * unit == pytest.approx(last[0]["peak_bytes"], rel=1e-9)

@@ -167,3 +167,10 @@ def test_fits_accepts_the_common_spellings_of_a_card(name):
 def test_bad_peak_questions_name_the_fix(call, message):
     with pytest.raises(ValueError, match=message):
         call(ddpkit.estimate(ddpkit.TrainConfig(**BASE)))
+
+
+def test_an_allocator_snapshot_is_refused_on_cpu_with_the_reason():
+    with pytest.raises(ValueError, match=r"TrainConfig.memory_snapshot='snaps': the allocator "
+                                         r"history is CUDA's; this run is on cpu.*pass "
+                                         r"memory_snapshot=None"):
+        ddpkit.TrainConfig(**{**BASE, "memory_snapshot": "snaps"})

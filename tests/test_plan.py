@@ -7,6 +7,7 @@ import pytest
 
 import ddpkit
 import fixtures_module as fm
+from ddpkit.engine.policies import CheckpointSetting
 from ddpkit.explore.estimate import trace_activations, traced_flops
 from ddpkit.explore.plan import GPUS, CUDA_CONTEXT, parse_bytes, usable_bytes
 
@@ -21,9 +22,8 @@ def configs():
     yield ddpkit.TrainConfig(model=fm.make_gpt2, **RUN)
 
 
-def truth(cfg, mask):
-    """A mask's figures traced on their own (not from the per-block sums the planner uses)."""
-    setting = list(mask) if any(mask) else None
+def truth(cfg, setting):
+    """A setting's figures traced on their own (not from the per-block sums the planner uses)."""
     return trace_activations(cfg, setting), traced_flops(cfg, setting)
 
 
@@ -33,8 +33,9 @@ def test_the_plan_is_the_cheapest_frontier_choice_whose_peak_fits():
     for cfg in configs():
         fig = _figures(cfg)
         for mask in itertools.product((False, True), repeat=cfg.n_blocks):
-            c = _choice(fig, mask)  # the planner's figures, from per-block sums...
-            assert (c.activations, c.flops) == truth(cfg, mask)  # ...equal the traced ones
+            setting = CheckpointSetting.from_mask(mask)
+            c = _choice(fig, setting)  # the planner's figures, from per-block sums...
+            assert (c.activations, c.flops) == truth(cfg, setting)  # ...equal the traced ones
         front = ddpkit.plan(cfg, 10**12).frontier
         low, high = min(c.total for c in front), max(c.total for c in front)
         for share in (0.2, 0.7):  # budgets between the frontier's ends
@@ -68,15 +69,14 @@ def test_the_planned_run_measures_what_was_predicted():
     assert max(m["peak_bytes"] for m in res.metrics) <= 1.03 * budget
     # FLOPs of the real model (real tensors, one process) against the predicted ratio
     from ddpkit.engine.data import first_batch, make_dataset
-    from ddpkit.engine.policies import CheckpointPolicy
     from ddpkit.engine.probes import count_flops
     from ddpkit.engine.spec import build_model, compute_loss
 
     model = build_model(cfg)[0]
     batch = first_batch(cfg, make_dataset(cfg))
 
-    def flops(setting):
-        CheckpointPolicy.from_config(cfg, setting).apply(model, cfg.blocks_path)
+    def flops(value):
+        cfg.checkpoint_policy(CheckpointSetting.of(value, cfg.n_blocks)).apply(model, cfg.blocks_path)
         return count_flops(lambda: compute_loss(model, batch).backward())
 
     assert flops(p.checkpoint) / flops(None) == pytest.approx(p.choice.flops_ratio, rel=1e-9)

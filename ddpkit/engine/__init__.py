@@ -4,8 +4,10 @@ launcher or the rank's plumbing).
 
 `models.py` (the built-in mlp and gpt, synthetic data) · `spec.py` (your own model: factory,
 data, loss, what is in it) · `blocks.py` (finding the repeated blocks) · `policies.py`
-(`CheckpointSetting` and the checkpoint policy it builds and applies) · `data.py` (datasets and
+(`CheckpointSetting` and the checkpoint policy it builds and applies) · `regions.py` (a segment
+as one region on a loop the model owns) · `data.py` (datasets and
 per-rank batches) · `strategies.py` (ddp, ZeRO-1, FSDP: wrap after checkpointing) · `step.py`
-(one optimizer step, rank-agnostic) · `probes.py` (memory, comm, time, FLOPs) · `saving.py`
+(one optimizer step, rank-agnostic) · `probes.py` (memory, comm, time, FLOPs) · `measure.py`
+(the probes a run turned on and when each reads) · `saving.py`
 (atomic checkpoints, exact resume) · `loop.py` (`train_rank`: the loop each rank runs).
 """

@@ -10,15 +10,18 @@ on a rank) and a prediction (`ddpkit.explore.peak`, a simulated step under FakeT
 **How a rank measures it** (`PeakProbe`):
 
 * CPU: c10's own count of live CPU allocations. ``FLAGS_caffe2_report_cpu_memory_usage`` makes
-  the CPU allocator's reporter keep every live block's size and a running total (about 2 us per
-  allocation); ddpkit turns it on before the model is built, so the total covers every byte
-  the run allocates: parameters, DDP's buckets (allocated in DDP's constructor), optimizer
-  state, activations, temporaries. A probed step runs inside a CPU profiler window with
-  ``profile_memory=True``; each allocator event there carries that running total, its address
-  and the enclosing ``ddpkit:<phase>`` range (`train_step` marks its phases), so the peak is
-  the highest total of the window, with its phase. Without the flag the profiler sees no frees
-  of blocks allocated before its window and no base at all (what ddpkit read before: DDP's
-  buckets were invisible, and the step where DDP rebuilds them read one bucket set high).
+  the CPU allocator's reporter keep every live block's size and a running total; ddpkit turns
+  it on before the model is built, so the total covers every byte the run allocates:
+  parameters, DDP's buckets (allocated in DDP's constructor), optimizer state, activations,
+  temporaries. A probed step runs inside a CPU profiler window with ``profile_memory=True``;
+  each allocator event there carries that running total, its address and the enclosing
+  ``ddpkit:<phase>`` range (`train_step` marks its phases), so the peak is the highest total
+  of the window, with its phase. The count costs about 2.5 us an allocation, so it is on only
+  until the second probed step (steps 0 and 1); the bytes live when that window opened, a step
+  boundary, are kept, and each later probe counts its own window on top of them (`PeakProbe`).
+  Without the count the profiler sees no frees of blocks allocated before its window and no
+  base at all (what ddpkit read before: DDP's buckets were invisible, and the step where DDP
+  rebuilds them read one bucket set high).
 * CUDA: ``torch.cuda.max_memory_allocated()``, read and reset at each phase boundary, gives
   each phase's peak; the ledger at the peak phase is then the census of parameters,
   gradients, optimizer state and buckets at that phase's end plus the measured activations,
@@ -175,25 +178,27 @@ def summarize(events, totals, base, census, seen):
 
 
 # ----------------------------------------------------------------------------- CPU accounting
-_ACCOUNTING = None
+_FLAG = []  # [the c_bool of libc10's flag], once found
 
 
-def cpu_accounting():
-    """Turn on c10's count of every live CPU allocation (``FLAGS_caffe2_report_cpu_memory_usage``,
-    a flag of libc10 read on every allocation and free). Idempotent; True when it is on."""
-    global _ACCOUNTING
-    if _ACCOUNTING is None:
-        _ACCOUNTING = False
+def cpu_accounting(on=True):
+    """Switch c10's count of every live CPU allocation on or off
+    (``FLAGS_caffe2_report_cpu_memory_usage``, a flag of libc10 read on every allocation and
+    free: a mutex and a hash map, about 2.5 us an allocation). True when the flag was found."""
+    if not _FLAG:
+        _FLAG.append(None)
         lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
         for path in sorted(glob.glob(os.path.join(lib_dir, "*c10.*"))):
             try:  # the library torch loaded already: dlopen returns the same handle
-                flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+                _FLAG[0] = ctypes.c_bool.in_dll(ctypes.CDLL(path),
+                                                "FLAGS_caffe2_report_cpu_memory_usage")
+                break
             except (OSError, ValueError):
                 continue
-            flag.value = True
-            _ACCOUNTING = True
-            break
-    return _ACCOUNTING
+    if _FLAG[0] is None:
+        return False
+    _FLAG[0].value = on
+    return True
 
 
 def _profile():
@@ -226,9 +231,10 @@ def _allocations(prof):
 
 
 def cpu_allocated():
-    """Bytes the CPU allocator holds now, by c10's count (0 when the count is off): read from
-    a one-allocation profiler window (~1 ms; the first window in a process takes ~1.5 s)."""
-    if not cpu_accounting():
+    """Bytes the CPU allocator holds now, by c10's count (0 when it has none): read from a
+    one-allocation profiler window (~1 ms; the first window in a process takes ~1.5 s). Exact
+    while the count has been on since those bytes were allocated (see `PeakProbe`)."""
+    if not _FLAG or _FLAG[0] is None or not _FLAG[0].value:
         return 0
     with _profile() as prof:
         torch.empty(1, dtype=torch.uint8)
@@ -263,14 +269,26 @@ class PeakProbe:
 
     Make it before the model is built: on CPU it turns c10's allocation count on then, and
     ``excluded`` (what the job had already) is read; ``leave_out(nbytes)`` adds more to leave
-    out (the dataset)."""
+    out (the dataset).
+
+    On CPU the count costs ~2.5 us an allocation (6% of a small GPT step, more for tinier
+    ones), so it stays on only until the end of the second probed window (steps 0 and 1: every
+    byte counted from before the model was built). The bytes live when that window opened,
+    a step boundary (parameters, optimizer state, DDP's buckets, what else lasts), are kept as
+    the ``boundary``; each later probe switches the count on for its own window only and adds
+    what the window allocates and frees to that boundary (between steps nothing else lasts, so
+    nothing from before the window is freed inside it)."""
+
+    EXACT_WINDOWS = 2
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
-        self.complete = self.cuda or cpu_accounting()
+        self.complete = self.cuda or cpu_accounting(True)
         self.excluded = torch.cuda.memory_allocated() if self.cuda else cpu_allocated()
         self.data_bytes = 0
         self.peak = None
+        self.boundary = None  # CPU: bytes live at a step boundary, once the exact windows are done
+        self._exact = self.EXACT_WINDOWS
         self._by_phase = {}
 
     def leave_out(self, nbytes):
@@ -323,16 +341,36 @@ class PeakProbe:
             yield self
             self.peak = self._cuda_peak(model, optimizer, buckets, activations)
             return
-        with _profile() as prof:
-            yield self
+        armed = self._exact == 0  # the count on for this window only
+        if armed:
+            cpu_accounting(True)
+        try:
+            with _profile() as prof:
+                yield self
+        finally:
+            if armed or self._exact == 1:
+                cpu_accounting(False)
         events, forward_ends = _allocations(prof)
         census = {"parameters": params, "gradients": grads, "optimizer_state": states}
-        self.peak = self._cpu_peak(events, forward_ends, census, model, optimizer, buckets,
-                                   activations)
-
-    def _cpu_peak(self, events, forward_ends, census, model, optimizer, buckets, activations):
         if not events:
-            return None
+            self.peak = None
+            return
+        if armed:  # the boundary, plus what this window allocated and freed
+            base, totals, running = self.boundary, [], self.boundary
+            for e in events:
+                running += e[1]
+                totals.append(running)
+        else:  # c10's count of every byte since before the model was built
+            base = events[0][3] - events[0][1] - self.excluded
+            totals = [e[3] - self.excluded for e in events]
+            self._exact -= 1
+            if self._exact == 0:
+                self.boundary = base
+        self.peak = self._cpu_peak(events, forward_ends, census, model, optimizer, buckets,
+                                   activations, base, totals)
+
+    def _cpu_peak(self, events, forward_ends, census, model, optimizer, buckets, activations,
+                  base, totals):
         end = len(events)
         seen = [("parameters", key, 0) for key in census["parameters"]]
         seen += [(kind, key, end) for kind, tensors in (
@@ -345,9 +383,7 @@ class PeakProbe:
             for keys, t_end in zip(activations.saved_addresses, forward_ends):
                 index = _index_at(times, t_end)
                 seen += [("activations", key, index) for key in keys]
-        return summarize([(e[1], e[2], e[5], e[4]) for e in events],
-                         [e[3] - self.excluded for e in events],
-                         events[0][3] - events[0][1] - self.excluded, census, seen)
+        return summarize([(e[1], e[2], e[5], e[4]) for e in events], totals, base, census, seen)
 
     def _cuda_peak(self, model, optimizer, buckets, activations):
         by_phase = {p: self._by_phase[p] for p in PHASES if p in self._by_phase}
@@ -362,6 +398,19 @@ class PeakProbe:
                   else 0}
         ledger["temporaries"] = max(by_phase[phase] - sum(ledger.values()), 0)
         return Peak(by_phase[phase], phase, ledger, by_phase, exact_ledger=False)
+
+
+@contextlib.contextmanager
+def cuda_history(path):
+    """The CUDA caching allocator's history of what runs inside (every allocation and free,
+    with Python and C++ stacks), written to ``path``: a pickle that
+    https://pytorch.org/memory_viz draws (``TrainConfig.memory_snapshot``)."""
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def _index_at(times, t):

@@ -1,9 +1,10 @@
 """Activation checkpointing over a model's repeated blocks: the setting, and how it is installed.
 
-`CheckpointSetting` is the one value type for "which blocks are checkpointed". The config, the
-widgets, the ranks, the records and the estimate all use it; it validates, describes, prints
-and parses itself. A setting lays the blocks out in *segments*: runs of consecutive blocks, each
-either checkpointed (only its input is kept; its inside is recomputed in backward) or plain.
+`CheckpointSetting` is the one value type for "which blocks are checkpointed", the torchtitan
+way: ``setting.build(use_reentrant=...).apply(model, blocks)``. It validates itself against a
+block count, lays the blocks out in *segments* (runs of consecutive blocks, each either
+checkpointed or plain), has one text form (``str(setting)``: what the CLI takes and `parse`
+reads back) and one label a person reads (`label`). Config and records hold its plain value.
 
 * ``None``: one plain segment.
 * ``s`` (int): as ``torch.utils.checkpoint.checkpoint_sequential(segments=s)`` counts them:
@@ -13,28 +14,33 @@ either checkpointed (only its input is kept; its inside is recomputed in backwar
 * ``"full"``: every block is its own checkpointed segment (the last one too).
 * a list of booleans (selective): block i is checkpointed on its own where the list says True.
 
-`CheckpointPolicy(setting, n_blocks).apply(model)` installs a setting on any model whose blocks
-`ddpkit.engine.blocks.find_blocks` finds, by giving the chosen modules an instance ``forward`` (as
-``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` does, but without wrapping the
-module): parameters and state_dict keys are untouched, and a new policy can replace the old one
-between steps (the lab does this mid-run).
+A checkpointed segment is **one region**, whatever the model's loop: only its input is kept, and
+backward recomputes the whole segment at once (so its recompute peak grows with its length, as
+``checkpoint_sequential``'s does). `CheckpointPolicy.apply` installs it without wrapping anything
+(parameters and state_dict keys untouched; a new policy can replace the old one between steps,
+as the Lab does mid-run), in one of three ways:
 
-Where the blocks live in an ``nn.Sequential`` that the model calls as a whole (the built-in
-models; ``self.blocks(h)``), a checkpointed segment of several blocks is one region, exactly as
-``checkpoint_sequential`` runs it. Where the model calls each block itself (an ``nn.ModuleList``
-in a loop: Hugging Face ``transformer.h``, ``model.layers``), ddpkit cannot take the loop over,
-so each block of a checkpointed segment is a region of its own: the same blocks are recomputed,
-and each keeps its own input (`describe` says which of the two ran).
+* the blocks live in an ``nn.Sequential`` the model calls as a whole (the built-in models): the
+  container runs each segment under torch's ``checkpoint``, as ``checkpoint_sequential`` does;
+* the model loops over the blocks itself (Hugging Face ``transformer.h``, ``model.layers``):
+  forward hooks open torch's non-reentrant checkpoint at a segment's first block and close it at
+  its last (`regions.LoopRegions`), the way ``torch.distributed._composable.checkpoint`` does
+  for one module; the recompute replays the segment's blocks from its input;
+* ``use_reentrant=True`` on such a loop: reentrant checkpointing is a function call around the
+  region, which a loop ddpkit does not own cannot make, so each block of a segment is its own
+  region; the policy says so (a warning, and `describe`).
 """
 from __future__ import annotations
 
-import ast
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from .regions import LoopRegions
 
 
 @dataclass(frozen=True)
@@ -68,20 +74,34 @@ class CheckpointSetting:
 
     @classmethod
     def of(cls, value, n_blocks):
+        """A setting from its plain value (or a setting, re-checked for ``n_blocks``)."""
         if isinstance(value, cls):
             return value if value.n_blocks == n_blocks else cls(value.value, n_blocks)
         return cls(value, n_blocks)
-
-    @classmethod
-    def parse(cls, text, n_blocks):
-        """Back from ``str(setting)``: 'None', 'full', '4', '[True, False]'."""
-        return cls(text if text == "full" else ast.literal_eval(text), n_blocks)
 
     @classmethod
     def from_mask(cls, mask):
         """A selective setting from one boolean per block (all False is None)."""
         mask = tuple(bool(b) for b in mask)
         return cls(mask if any(mask) else None, len(mask))
+
+    @staticmethod
+    def parse(text):
+        """The plain value of the setting's text form (``str(setting)``, what the CLI takes):
+        ``none`` | ``S`` (segments) | ``full`` | ``1,0,1,0,`` (one 0/1 per block; a list always
+        has a comma, so ``1,`` is one block and ``1`` one segment)."""
+        text = text.strip()
+        if text.lower() in ("none", "off"):
+            return None
+        if text.lower() == "full":
+            return "full"
+        if "," in text:
+            return [t.strip().lower() in ("1", "true") for t in text.split(",") if t.strip()]
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"TrainConfig.checkpoint={text!r}: write none, a segment count, "
+                             f"full, or one 0/1 per block with commas (1,0,1,0,)") from None
 
     @property
     def plain(self):
@@ -103,44 +123,47 @@ class CheckpointSetting:
         return [(i, i + 1, on) for i, on in enumerate(v)]
 
     @property
+    def regions(self):
+        """[(start, stop), ...]: the checkpointed segments, each recomputed as one region."""
+        return [(a, b) for a, b, on in self.segments if on]
+
+    @property
     def mask(self):
         """One boolean per block: is it inside a checkpointed segment?"""
         out = [False] * self.n_blocks
-        for start, stop, on in self.segments:
-            out[start:stop] = [on] * (stop - start)
+        for start, stop in self.regions:
+            out[start:stop] = [True] * (stop - start)
         return out
 
-    @property
-    def n_checkpointed(self):
-        return sum(self.mask)
-
-    def describe(self):
-        v, n = self.value, self.n_blocks
-        if v is None:
+    def label(self):
+        """What a person reads: 'no checkpointing', '2 segments', 'blocks 0, 2', 'every block'."""
+        v, mask = self.value, self.mask
+        if not any(mask):
             return "no checkpointing"
-        if v == "full":
-            return f"every block checkpointed ({n})"
+        if v == "full" or (isinstance(v, tuple) and all(v)):
+            return "every block"
         if isinstance(v, int):
-            return (f"{v} segments: {self.n_checkpointed} of {n} blocks checkpointed (the last "
-                    f"segment never is)")
-        return f"selective: blocks {[i for i, b in enumerate(v) if b]} checkpointed"
+            return f"{v} segments"
+        on = [str(i) for i, b in enumerate(mask) if b]
+        return ("block " if len(on) == 1 else "blocks ") + ", ".join(on)
 
     def __str__(self):
-        return str(self.plain)
+        """The one text form: 'none', '2', 'full', '1,0,1,0,' (`parse` reads it back)."""
+        v = self.value
+        if v is None:
+            return "none"
+        if isinstance(v, tuple):
+            return ",".join("1" if b else "0" for b in v) + ","
+        return str(v)
+
+    def build(self, use_reentrant=False, preserve_rng_state=True):
+        """The `CheckpointPolicy` that runs this setting (``use_reentrant`` is always passed
+        to torch explicitly)."""
+        return CheckpointPolicy(self, use_reentrant, preserve_rng_state)
 
 
-# --- kept for callers that think in plain values
-def segments_for(setting, n_blocks):
-    return CheckpointSetting.of(setting, n_blocks).segments
-
-
-def checkpointed_blocks(setting, n_blocks):
-    return CheckpointSetting.of(setting, n_blocks).mask
-
-
-def parse_setting(text):
-    """A record's ``checkpoint`` string back to the plain value."""
-    return text if text == "full" else ast.literal_eval(text)
+def _blocks_text(a, b):
+    return f"block {a}" if b - a == 1 else f"blocks {a}-{b - 1}"
 
 
 def _tensors(args, kwargs):
@@ -148,50 +171,57 @@ def _tensors(args, kwargs):
 
 
 class CheckpointPolicy:
-    """A setting plus how to checkpoint (``use_reentrant``, always passed to torch explicitly,
-    and ``preserve_rng_state``), installed on a model's blocks by `apply`."""
+    """A setting plus how to checkpoint (``use_reentrant``, ``preserve_rng_state``), installed
+    on a model's blocks by `apply`. Build it with `CheckpointSetting.build`."""
 
-    def __init__(self, setting, n_blocks=None, use_reentrant=False, preserve_rng_state=True):
-        if n_blocks is None and not isinstance(setting, CheckpointSetting):
-            raise TypeError("CheckpointPolicy(setting, n_blocks): pass the block count")
-        self.setting = CheckpointSetting.of(setting, n_blocks)
-        self.n_blocks = self.setting.n_blocks
+    def __init__(self, setting, use_reentrant=False, preserve_rng_state=True):
+        if not isinstance(setting, CheckpointSetting):
+            raise TypeError(f"CheckpointPolicy takes a CheckpointSetting, got "
+                            f"{type(setting).__name__}; build one with "
+                            f"CheckpointSetting.of(value, n_blocks).build(use_reentrant=...)")
+        self.setting = setting
+        self.n_blocks = setting.n_blocks
         self.use_reentrant, self.preserve_rng_state = use_reentrant, preserve_rng_state
-        self.on_segment_input = None  # probe hook: called with each checkpointed region's input
-        self.whole_segments = False   # set by apply: did a container take the segments over?
+        self.on_segment_input = None  # probe hook: called with each tensor a region keeps
+        self.ran = set()              # how regions ran: 'sequential', 'loop', 'per-block'
+        self.notes = []               # fallbacks, said once each (describe, and a warning)
         self._in_region = False       # a container region is running its blocks' own forwards
-
-    @classmethod
-    def from_config(cls, cfg, setting="config"):
-        """The config's policy, or another ``setting`` with the config's way of checkpointing."""
-        return cls(cfg.checkpoint if setting == "config" else setting, cfg.n_blocks,
-                   cfg.use_reentrant, cfg.preserve_rng_state)
+        self._loop = None             # the hooks on a loop ddpkit does not own
 
     @property
     def segments(self):
         return self.setting.segments
 
-    @property
-    def n_checkpointed(self):
-        return self.setting.n_checkpointed
+    def note(self, text):
+        """Say a fallback once: in `describe`, and as a warning."""
+        if text not in self.notes:
+            self.notes.append(text)
+            warnings.warn(f"ddpkit checkpointing: {text}", stacklevel=3)
 
     # --- running regions
-    def _report(self, tensors):
+    def report(self, tensors):
+        """Tensors a region keeps for its recompute: counted by the activation probe."""
         if self.on_segment_input is not None:
-            for t in tensors:  # kept alive for the recompute: count them
+            for t in tensors:
                 self.on_segment_input(t)
 
     def _region(self, fn, args, kwargs):
-        self._report(_tensors(args, kwargs))
+        self.report(_tensors(args, kwargs))
         if self.use_reentrant and kwargs:  # the reentrant variant takes positional inputs only
             fn, kwargs = functools.partial(fn, **kwargs), {}
         return _checkpoint(fn, *args, use_reentrant=self.use_reentrant,  # always explicit
                            preserve_rng_state=self.preserve_rng_state, **kwargs)
 
-    def _block_forward(self, inner):
+    def _block_forward(self, inner, grouped):
+        """A reentrant block's forward: its own region (``grouped``: its segment is longer)."""
         def forward(*args, **kwargs):
             if self._in_region:  # the container's region runs it: no region of its own
                 return inner(*args, **kwargs)
+            self.ran.add("per-block")
+            if grouped:
+                self.note("use_reentrant=True cannot make one region of several blocks that the "
+                          "model calls in its own loop, so each block of a segment is its own "
+                          "region (it keeps its own input); use_reentrant=False groups them")
             return self._region(inner, args, kwargs)
         return forward
 
@@ -206,6 +236,7 @@ class CheckpointPolicy:
             return h
 
         def forward(h):
+            self.ran.add("sequential")
             for start, stop, on in self.segments:
                 if on:
                     h = self._region(functools.partial(run, start, stop), (h,), {})
@@ -226,21 +257,39 @@ class CheckpointPolicy:
             raise ValueError(f"policy for {self.n_blocks} blocks applied to a model with "
                              f"{len(container)}")
         remove(model, container)
-        mask = self.setting.mask
-        for block, on in zip(container, mask):
-            if on:
-                block.forward = self._block_forward(type(block).forward.__get__(block))
-        self.whole_segments = isinstance(container, nn.Sequential) and any(mask)
-        if self.whole_segments:
+        regions = self.setting.regions
+        if self.use_reentrant:
+            for a, b in regions:
+                for block in container[a:b]:
+                    block.forward = self._block_forward(type(block).forward.__get__(block),
+                                                        b - a > 1)
+        elif regions:
+            self._loop = LoopRegions(self, list(container), regions).install(model)
+        if regions and isinstance(container, nn.Sequential):
             # used only if the model calls the Sequential as a whole; a model that loops over
-            # it calls the blocks, whose own forwards checkpoint them one by one
+            # it calls the blocks, whose hooks (or forwards) make the regions instead
             container.forward = self._sequence_forward(container)
         model.__dict__["checkpoint_policy"] = self
         model.__dict__["_ddpkit_blocks"] = container
         return model
 
+    def uninstall(self):
+        if self._loop is not None:
+            self._loop.remove()
+            self._loop = None
+
     def describe(self):
-        return self.setting.describe()
+        """The setting, how its regions ran (once a forward has run) and any fallback."""
+        regions = self.setting.regions
+        text = self.setting.label()
+        if regions:
+            text += ": " + ", ".join(_blocks_text(a, b) for a, b in regions) + " checkpointed"
+            how = {"sequential": "each segment one region, in the blocks' nn.Sequential",
+                   "loop": "each segment one region, by hooks on the model's own loop",
+                   "per-block": "each block its own region (reentrant, the model's own loop)"}
+            if self.ran:
+                text += " (" + "; ".join(how[r] for r in sorted(self.ran)) + ")"
+        return "; ".join([text, *self.notes])
 
     def __repr__(self):
         return (f"CheckpointPolicy({self.setting.plain!r}, n_blocks={self.n_blocks}, "
@@ -250,11 +299,13 @@ class CheckpointPolicy:
 def remove(model, container=None):
     """Take any installed policy off ``model``: every module runs its class's forward again."""
     container = container if container is not None else model.__dict__.get("_ddpkit_blocks")
+    policy = model.__dict__.pop("checkpoint_policy", None)
+    if policy is not None:
+        policy.uninstall()
     if container is None:
         return model
     container.__dict__.pop("forward", None)
     for block in container:
         block.__dict__.pop("forward", None)
-    model.__dict__.pop("checkpoint_policy", None)
     model.__dict__.pop("_ddpkit_blocks", None)
     return model

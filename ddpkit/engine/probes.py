@@ -30,7 +30,8 @@ def _nbytes(t):
     return t.numel() * t.element_size()
 
 
-def _storage(t):
+def storage(t):
+    """(identity of ``t``'s storage, its bytes): what the activation probe counts once."""
     # keyed on the StorageImpl, not data_ptr(): under FakeTensorMode (the estimate) every
     # data_ptr() is 0, while views still share their base's StorageImpl there too
     st = t.untyped_storage()
@@ -60,11 +61,11 @@ class ActivationProbe:
     def _count(self, t):
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        key, nbytes = _storage(t)
+        key, nbytes = storage(t)
         if key in self._params or key in self._seen or nbytes == 0:
             return
         if self._model is not None:
-            self._params |= {_storage(_local(p))[0] for p in self._model.parameters()}
+            self._params |= {storage(_local(p))[0] for p in self._model.parameters()}
             if key in self._params:
                 return
         self._seen.add(key)
@@ -86,7 +87,7 @@ class ActivationProbe:
             # a frozenset: `_count` adds to the set only for sharded models, never cached
             self._params, self._model = self._known[1], None
         else:
-            self._params = {_storage(_local(p))[0] for p in model.parameters()}
+            self._params = {storage(_local(p))[0] for p in model.parameters()}
             # FSDP2 swaps each block's sharded parameters for all-gathered ones during its
             # forward: those are parameters too, so look again whenever an unknown storage is
             # saved. Unsharded parameters are updated in place: looked up once per model

@@ -16,6 +16,7 @@ from ..config import TrainConfig
 from ..engine import saving
 from ..engine.data import make_dataset
 from ..engine.loop import train_rank
+from ..engine.policies import CheckpointSetting
 from ..runtime.launch import launch
 
 
@@ -122,7 +123,7 @@ def preflight(cfg):
     if info.own_checkpointing:
         warnings.warn(f"ddpkit: {info.name} has its own gradient checkpointing switched on; the "
                       f"ranks turn it off and run TrainConfig.checkpoint={cfg.checkpoint!r} "
-                      f"({cfg.checkpointing.describe()})", stacklevel=3)
+                      f"({cfg.checkpointing.label()})", stacklevel=3)
 
 
 def check_config(cfg):
@@ -147,7 +148,7 @@ def recompute_flops_ratio(cfg):
     FakeTensorMode model (no memory)."""
     from .estimate import traced_flops
 
-    return traced_flops(cfg, cfg.checkpoint) / traced_flops(cfg, None)
+    return traced_flops(cfg) / traced_flops(cfg, CheckpointSetting(None, cfg.n_blocks))
 
 
 SWEEP_COLUMNS = ("final_loss", "step_time_ms", "step_time_iqr_ms", "activation_bytes",
@@ -195,12 +196,12 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
             key = (c.world_size, *resolve_devices(c.world_size, c.backend, c.device))
             if key not in pools:
                 pools[key] = Pool(*key)
-            label = ", ".join(f"{k}={_label(v)}" for k, v in combo.items())
+            label = ", ".join(f"{k}={_label(k, v, c)}" for k, v in combo.items())
             if bar is not None:
                 bar.set_description(label)
             res = train(c, pool=pools[key], on_metric=_bar_updater(bar))
             s = res.summary()
-            rows.append({**{k: _label(v) for k, v in combo.items()},
+            rows.append({**{k: _label(k, v, c) for k, v in combo.items()},
                          "final_loss": s["final_loss"],
                          "step_time_ms": 1000 * s["step_time_s"],
                          "step_time_iqr_ms": 1000 * s["step_time_iqr_s"],
@@ -239,5 +240,9 @@ def _bar_updater(bar):
     return tick
 
 
-def _label(v):
+def _label(name, v, cfg):
+    """A grid value as the table shows it: numbers as numbers, None as 'none', a checkpoint
+    setting in its one text form ('full', '1,0,1,0,')."""
+    if name == "checkpoint" and not isinstance(v, int):
+        return str(cfg.checkpointing)
     return "none" if v is None else (str(v) if not isinstance(v, (int, float)) else v)

@@ -26,8 +26,8 @@ tensors each op saves (fp32):
   16 bytes more per block and log-sum-exp rounded up to 32 tokens. Where CUDA would run its
   math kernel, the estimate traces the model instead.
 * A checkpointed segment keeps only its input (D per sample or token), whatever its length; a
-  plain block keeps all of the above. Segments are counted as `policies.segments_for` lays them
-  out (the last segment of an int setting is never checkpointed).
+  plain block keeps all of the above. Segments are counted as `CheckpointSetting.segments` lays
+  them out (the last segment of an int setting is never checkpointed).
 
 Under bf16 autocast the matmul inputs are saved as bf16 copies: the prediction is then rougher
 (it is tested for fp32). Dropout masks are not counted: the prediction is for ``dropout=0``.
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..engine.policies import CheckpointPolicy, segments_for
+from ..engine.policies import CheckpointSetting
 from . import attention
 from .units import human_bytes
 
@@ -165,17 +165,27 @@ def activation_parts(cfg):
     return ends, block, boundary
 
 
-def activation_bytes(cfg, checkpoint="config"):
-    """Predicted activation bytes of one micro-batch under a setting (the config's by default):
-    first principles for the built-in models, a FakeTensorMode trace for yours."""
-    setting = cfg.checkpoint if checkpoint == "config" else checkpoint
+def activation_bytes(cfg, setting=None):
+    """Predicted activation bytes of one micro-batch under ``setting`` (a `CheckpointSetting`;
+    the config's when not given): first principles for the built-in models, a FakeTensorMode
+    trace for yours."""
+    setting = _setting(cfg, setting)
     if not _by_formula(cfg):
         return trace_activations(cfg, setting)
     ends, block, boundary = activation_parts(cfg)
     total = ends
-    for start, stop, on in segments_for(setting, cfg.n_blocks):
+    for start, stop, on in setting.segments:
         total += boundary if on else (stop - start) * block
     return total
+
+
+def _setting(cfg, setting):
+    if setting is None:
+        return cfg.checkpointing
+    if not isinstance(setting, CheckpointSetting):
+        raise TypeError(f"pass a CheckpointSetting (CheckpointSetting.of({setting!r}, "
+                        f"{cfg.n_blocks})), or nothing for the config's own setting")
+    return setting
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -272,7 +282,8 @@ class _Traced:
         self._per_block()
 
     def forward_bytes(self, setting, probe=None):
-        """Activation bytes one forward saves under ``setting`` (memoised per setting)."""
+        """Activation bytes one forward saves under ``setting`` (a `CheckpointSetting`,
+        memoised per setting)."""
         from ..engine.probes import ActivationProbe
         from ..engine.spec import compute_loss
         from ..engine.step import autocast_for
@@ -283,7 +294,7 @@ class _Traced:
         probe = probe or ActivationProbe()
         # one FakeTensorMode is not for two threads at once (the lab's plots and sliders)
         with self.lock:
-            CheckpointPolicy.from_config(self.cfg, setting).apply(self.model, self.cfg.blocks_path)
+            self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
             with self.mode, _as_real_for_transformers(self.batch), probe.forward(self.model), \
                     autocast_for(self.cfg.precision, "cpu"), _on_device(self.target):
                 compute_loss(self.model, self.batch, self.cfg.loss_fn)
@@ -293,21 +304,21 @@ class _Traced:
     def _per_block(self):
         from torch.utils.flop_counter import FlopCounterMode
 
-        from ..engine.probes import ActivationProbe, _storage
+        from ..engine.probes import ActivationProbe, storage
 
         probe, inputs = ActivationProbe(), {}
 
         def enter(i, module, args, kwargs):
             probe.owner = i
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            inputs[i] = _storage(first)[1] if first is not None else 0
+            inputs[i] = storage(first)[1] if first is not None else 0
         hooks = [b.register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True)
                  for i, b in enumerate(self.blocks)]
         hooks += [b.register_forward_hook(lambda *a: setattr(probe, "owner", None))
                   for b in self.blocks]
         try:
             with FlopCounterMode(display=False) as counter:
-                self.forward_bytes(None, probe)
+                self.forward_bytes(CheckpointSetting(None, len(self.blocks)), probe)
         finally:
             for h in hooks:
                 h.remove()
@@ -378,21 +389,23 @@ def _traced(cfg):
         return hit
 
 
-def traced_flops(cfg, setting):
-    """FLOPs of one micro-batch's forward and backward under ``setting`` (FakeTensorMode)."""
+def traced_flops(cfg, setting=None):
+    """FLOPs of one micro-batch's forward and backward under ``setting`` (a `CheckpointSetting`;
+    the config's when not given), counted under FakeTensorMode."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..engine.spec import compute_loss
 
+    setting = _setting(cfg, setting)
     t = _traced(cfg)
     with t.lock:
-        CheckpointPolicy.from_config(cfg, setting).apply(t.model, cfg.blocks_path)
+        cfg.checkpoint_policy(setting).apply(t.model, cfg.blocks_path)
         with t.mode, _as_real_for_transformers(t.batch), FlopCounterMode(display=False) as counter:
             compute_loss(t.model, t.batch, cfg.loss_fn).backward()
     return counter.get_total_flops()
 
 
-def trace_activations(cfg, checkpoint="config"):
-    """Activation bytes of one micro-batch under a checkpoint setting, traced (no memory)."""
-    setting = cfg.checkpoint if checkpoint == "config" else checkpoint
-    return _traced(cfg).forward_bytes(setting)
+def trace_activations(cfg, setting=None):
+    """Activation bytes of one micro-batch under ``setting`` (a `CheckpointSetting`; the
+    config's when not given), traced (no memory)."""
+    return _traced(cfg).forward_bytes(_setting(cfg, setting))

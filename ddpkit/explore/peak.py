@@ -13,24 +13,17 @@ bytes, phase, and the ledger by kind. This is what torch's own
 process group, the wrappers and the ledger of its measurement, and is ~15x faster on a GPT-2
 step (it keeps no per-module snapshots).
 
-Where the simulation is not the rank's code, it says so here, each with why the bytes agree:
+Where the simulation is not the rank's code, `fakeworld` says so, each with why the bytes
+agree; and:
 
-* DDP's constructor checks parameter shapes across ranks and broadcasts rank 0's weights; both
-  read tensor data, which a fake tensor has not, and allocate nothing that lasts: skipped.
-* The fake group's all-reduce returns no value, so the simulation registers its own DDP comm
-  hook with the rank hook's memory: the plain all-reduce works in place on the bucket;
-  ``comm_hook="fp16"/"bf16"`` (torch's ``_compress_hook``) allocates a 2-byte copy of the
-  bucket, all-reduces it and copies it back.
-* DDP rebuilds its buckets in step 1's forward. ``Reducer::initialize_buckets`` clears the old
-  buckets before it allocates the new ones (the same bytes: one flat buffer per bucket of the
-  gradients), and at that moment the gradients are None (`zero_grad` sets them so), so the
-  rebuild never holds both: step 1's peak is the steady state's. The rebuild syncs the new
-  order across ranks by reading tensors, so the simulation keeps the first layout.
-* ``find_unused_parameters``/``static_graph`` are simulated off: the reducer reads its
-  used-parameter map as data. They add one int per parameter.
 * A CUDA rank is simulated on CPU fake tensors (the CPU build cannot run CUDA kernels, not even
-  fake ones): every size is rounded up to the caching allocator's 512-byte blocks, and the
-  optimizer runs torch's foreach implementation, its default on CUDA.
+  fake ones): every size is rounded up to the caching allocator's 512-byte blocks; attention
+  keeps what the CUDA kernel the rank would pick keeps (`attention.on_cuda`); the optimizer
+  runs torch's foreach implementation, its default on CUDA; and cuBLAS's workspaces, which
+  torch allocates through the caching allocator on a thread's first matmul and keeps, are in
+  the ledger's "other" (`cublas_workspaces`). These CUDA figures are read from torch's sources,
+  not measured here (no GPU): ``bench/gpu_check.sh`` compares them with
+  ``max_memory_allocated`` the day one is lent.
 """
 from __future__ import annotations
 
@@ -43,78 +36,22 @@ import types
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..engine import memory, strategies
-from ..engine.memory import PHASES, optimizer_tensors, storages
-from ..engine.policies import CheckpointPolicy
+from ..engine.memory import optimizer_tensors, storages
 from ..engine.probes import ActivationProbe
 from ..engine.spec import build_model
 from ..engine.step import train_step, zero_grad
+from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
+                        watch_storage_resizes)
 
 _LOCK = threading.RLock()  # one fake world at a time (the Lab's threads)
-_BACKEND = "ddpkit_fake"
 CUDA_BLOCK = 512
 
 
-# ----------------------------------------------------------------------------- a fake world
-def _register_backend():
-    if _BACKEND.upper() in dist.Backend.backend_list or _BACKEND in dist.Backend.backend_list:
-        return
-    from torch._C._distributed_c10d import FakeProcessGroup
-
-    dist.Backend.register_backend(
-        _BACKEND, lambda common, opts: FakeProcessGroup._create_internal(
-            common.group_rank, common.group_size), extended_api=True, devices=["cpu", "cuda"])
-
-
-@contextlib.contextmanager
-def fake_world(rank, world_size):
-    """The default process group, for the duration, as rank ``rank`` of ``world_size`` in
-    torch's FakeProcessGroup; DDP's two data-reading start-up checks skipped (see above)."""
-    import torch.nn.parallel.distributed as ddp_module
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "ddpkit.estimate(...).peak() simulates a rank with a fake default process group, "
-            "and this process has a process group of its own: call it from a kernel (or "
-            "script) that has not called torch.distributed.init_process_group")
-    _register_backend()
-    skipped = {"_verify_param_shape_across_processes": None, "_sync_module_states": None}
-    for name in skipped:
-        skipped[name] = getattr(ddp_module, name)
-        setattr(ddp_module, name, lambda *args, **kwargs: None)
-    dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        for name, fn in skipped.items():
-            setattr(ddp_module, name, fn)
-
-
-def _comm_hook(compress):
-    """A DDP comm hook with the memory of ddpkit's (`probes.CommCounter`) on a fake group."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compress)
-
-    def hook(world_size, bucket):
-        buffer = bucket.buffer()
-        if dtype is None:
-            buffer.div_(world_size)
-        else:  # torch's _compress_hook: a 2-byte copy travels, then is copied back
-            sent = buffer.to(dtype).div_(world_size)
-            buffer.copy_(sent)
-            del sent
-        fut = torch.futures.Future()
-        fut.set_result(buffer)
-        return fut
-    return hook
-
-
-# ----------------------------------------------------------------------------- live storages
 class LiveStorages(TorchDispatchMode):
     """Every storage an op creates, from creation to death, as allocator-like events
     ``(size, key, fsdp, phase)`` with the running total after each (``totals``)."""
@@ -124,7 +61,7 @@ class LiveStorages(TorchDispatchMode):
         self.block = block
         self.events, self.totals = [], []
         self.total, self.phase, self.fsdp = 0, None, False
-        self.ignore = False  # inside DTensor's sharding propagation (see `_skip_dtensor_meta`)
+        self.ignore = False  # inside DTensor's sharding propagation (see `skip_dtensor_meta`)
         self.forward_ends = []  # event index at the end of each forward
         self._refs = {}
 
@@ -182,82 +119,6 @@ class LiveStorages(TorchDispatchMode):
                 self.forward_ends.append(len(self.events))
 
 
-@contextlib.contextmanager
-def _watch_storage_resizes(live):
-    original = torch.UntypedStorage.resize_
-
-    def resize_(storage, size):
-        old = storage.nbytes()
-        out = original(storage, size)
-        live.resized(storage, old)
-        return out
-    torch.UntypedStorage.resize_ = resize_
-    try:
-        yield
-    finally:
-        torch.UntypedStorage.resize_ = original
-
-
-@contextlib.contextmanager
-def _mark_fsdp_collectives(live):
-    """Blocks made inside FSDP2's all-gather and reduce-scatter are FSDP's buffers (on a rank:
-    the ``FSDP::all_gather*`` and ``FSDP::post_backward_reduce`` profiler ranges)."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
-    except ImportError:
-        yield
-        return
-    names = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
-    originals = {n: getattr(group, n) for n in names if hasattr(group, n)}
-
-    def flagged(fn):
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            outer, live.fsdp = live.fsdp, True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                live.fsdp = outer
-        return run
-    for n, fn in originals.items():
-        setattr(group, n, flagged(fn))
-    try:
-        yield
-    finally:
-        for n, fn in originals.items():
-            setattr(group, n, fn)
-
-
-@contextlib.contextmanager
-def _skip_dtensor_meta(live):
-    """DTensor works out each new op's output metadata by running it on global-shape fake
-    tensors (in the active fake mode: ours), then caches the answer per op and sharding: the
-    first simulation would count those tensors, which no rank allocates."""
-    try:
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    except ImportError:
-        yield
-        return
-    name = "_propagate_tensor_meta_non_cached"
-    original = getattr(ShardingPropagator, name, None)
-    if original is None:
-        yield
-        return
-
-    @functools.wraps(original)
-    def unseen(self, *args, **kwargs):
-        outer, live.ignore = live.ignore, True
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            live.ignore = outer
-    setattr(ShardingPropagator, name, unseen)
-    try:
-        yield
-    finally:
-        setattr(ShardingPropagator, name, original)
-
-
 # ----------------------------------------------------------------------------- the step
 @dataclasses.dataclass
 class Simulation:
@@ -278,8 +139,11 @@ def simulate(cfg, rank=0, steps=2):
     from ..engine.data import first_batch, make_dataset
     from .estimate import _as_real_for_transformers
 
+    from .estimate import _on_device, _target
+
     _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     cuda = device == "cuda"
+    target = _target(cfg) if cuda else None
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
     wrap_cfg = cfg.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
                            device="cpu", backend="gloo", precision="fp32" if cfg.precision ==
@@ -291,14 +155,14 @@ def simulate(cfg, rank=0, steps=2):
     template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                         real_batch)
     with _LOCK, fake_world(rank, cfg.world_size), torch.random.fork_rng(devices=[]), mode, \
-            live, _watch_storage_resizes(live), _mark_fsdp_collectives(live), \
-            _skip_dtensor_meta(live):
+            live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
+            skip_dtensor_meta(live):
         model = build_model(cfg)[0].train()
-        CheckpointPolicy.from_config(cfg).apply(model, cfg.blocks_path)
+        cfg.checkpoint_policy().apply(model, cfg.blocks_path)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
             mesh_ready = _premade_mesh(wrap_cfg, ctx)
         wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False, mesh=mesh_ready)
-        buckets = _watch_buckets(wrapped, cfg)
+        buckets = watch_buckets(wrapped, cfg)
         gc.collect()  # fake tensors sit in reference cycles: what a rank frees at once, now
         if cuda:  # torch's default on CUDA: the foreach implementation
             for group in optimizer.param_groups:
@@ -309,8 +173,10 @@ def simulate(cfg, rank=0, steps=2):
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
-            peaks.append(_one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets,
-                                   _as_real_for_transformers(real_batch)))
+            with _on_device(target):
+                peak = _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets,
+                                 _as_real_for_transformers(real_batch))
+            peaks.append(_with_workspaces(peak, target))
             zero_grad(optimizer)
         loads = _loads(optimizer, model, cfg.world_size)
     return Simulation(rank, peaks, loads)
@@ -334,37 +200,35 @@ def _loads(optimizer, model, world_size):
     return numel
 
 
+def cublas_workspaces(target):
+    """Bytes of cuBLAS workspace a CUDA rank's step holds: one per (thread, stream) that runs a
+    matmul (the forward on the rank's thread, the backward on autograd's device thread), each
+    ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` in KiB, summed) or torch's default: 4096 KiB
+    x 8 on compute capability 9.0 and up, else 4096 KiB x 2 + 16 KiB x 8
+    (``CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``)."""
+    import os
+    import re
+
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":(\d+):(\d+)", config or "")
+    if pairs:
+        each = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    else:
+        each = 4096 * 1024 * 8 if target.capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 2 * each
+
+
+def _with_workspaces(peak, target):
+    if target is None or peak is None:
+        return peak
+    extra = cublas_workspaces(target)
+    ledger = {**peak.ledger, "other": peak.ledger["other"] + extra}
+    return memory.Peak(peak.bytes + extra, peak.phase, ledger,
+                       {p: b + extra for p, b in peak.by_phase.items()})
+
+
 def _premade_mesh(cfg, ctx):
     return None if cfg.strategy != "fsdp" else strategies.fsdp_mesh(ctx.device.type)
-
-
-def _watch_buckets(wrapped, cfg):
-    """Register the simulation's comm hook on DDP; return what it saw of the buckets."""
-    seen = {}
-    if not hasattr(wrapped, "register_comm_hook"):
-        return seen
-    inner = _comm_hook(cfg.comm_hook)
-
-    def hook(state, bucket):
-        st = bucket.buffer().untyped_storage()
-        seen[bucket.index()] = (st._cdata, st.nbytes())
-        return inner(state, bucket)
-    wrapped.register_comm_hook(cfg.world_size, hook)
-    wrapped.reducer = _FirstLayout(wrapped.reducer)
-    return seen
-
-
-class _FirstLayout:
-    """DDP's reducer, less the bucket rebuild (the module's note: it reads tensor data)."""
-
-    def __init__(self, reducer):
-        self.__dict__["_reducer"] = reducer
-
-    def __getattr__(self, name):
-        return getattr(self._reducer, name)
-
-    def _rebuild_buckets(self):
-        return False
 
 
 def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real_transformers):

@@ -5,11 +5,13 @@ Every answer is about the step's **peak** per rank (`ddpkit.explore.peak`: the r
 simulated on fake tensors; every live byte at the highest moment of forward, backward and
 optimizer step, DDP's buckets included), never about a sum of parts.
 
-Checkpointing lowers only what the forward saves for backward. So `plan` reads first where the
-peak of the step without checkpointing is: when it is in the optimizer step (with AdamW it
-often is: parameters, gradients, DDP's bucket copy of them, two moments and the update's
-temporaries), no checkpoint choice can lower it, and the plan says so and lists, each with its
-predicted peak, what can: ``gradient_as_bucket_view=True`` (the gradients live in DDP's
+Checkpointing lowers only what the forward saves for backward. So `plan` first simulates the
+step with every block checkpointed, the fewest activations any choice keeps: when even that
+step peaks above the budget, and at the height of the step without checkpointing, the peak is
+where no activations are left to free (in the optimizer step, or at the end of the backward;
+with AdamW it often is: parameters, gradients, DDP's bucket copy of them, two moments and the
+update's temporaries). No checkpoint choice can lower it: the plan says so and lists, each with
+its predicted peak, what can: ``gradient_as_bucket_view=True`` (the gradients live in DDP's
 buckets: one copy fewer), ZeRO-1, FSDP, a smaller micro-batch with more accumulation.
 
 Otherwise the choice is searched on the per-block trade-off. From the estimate's per-block
@@ -19,8 +21,11 @@ block alone checkpointed, minus the step with none), a selective mask costs
 
 * activations after forward: ``A(none) - sum(keeps_i - boundary_i for checkpointed i)``
   (exact: the saved storages of one block do not depend on another block's checkpointing);
-* the backward's activation peak: the larger of that and, for each checkpointed block, what
-  the blocks before it hold plus its own inside, which comes back while its backward runs;
+* the backward's activation peak: the larger of that and, for each checkpointed region (a
+  segment of one or more blocks, recomputed at once), what the blocks before it hold plus the
+  whole inside of its blocks, which comes back while its backward runs (the blocks after it
+  are freed by then; the head's tensors are counted as still held): so the peak grows with a
+  segment's length, as ``checkpoint_sequential``'s does;
 * FLOPs: ``F(none) + sum(recompute_i for checkpointed i)``.
 
 The masks on the Pareto frontier of (FLOPs, activation peak) are enumerated exactly (every mask
@@ -34,93 +39,13 @@ the plan's bytes are always a simulated step's.
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
 
-from .units import GIB, KIB, MIB, TIB, fmt_bytes
-
-# usable memory per GPU: the card's memory less what the CUDA context and the caching allocator
-# take before a tensor is made (about 0.5 GiB context on recent drivers; we keep 5% more aside
-# for the allocator's rounding and fragmentation). Stated here, not hidden in the figures.
-CUDA_CONTEXT = 512 * MIB
-ALLOCATOR_RESERVE = 0.05
-GPUS = {
-    "T4": 16 * GIB,
-    "V100-16GB": 16 * GIB,
-    "V100-32GB": 32 * GIB,
-    "A10G": 24 * GIB,
-    "L4": 24 * GIB,
-    "L40S": 48 * GIB,
-    "A100-40GB": 40 * GIB,
-    "A100-80GB": 80 * GIB,
-    "H100-80GB": 80 * GIB,
-    "H200-141GB": 141 * GIB,
-}
-"""The cards `fits` knows, by memory. Other spellings are accepted (`gpu_name`)."""
-
-
-def _norm(text):
-    return re.sub(r"[\s_\-]", "", text.upper().replace("NVIDIA", ""))
-
-
-def _spellings():
-    models = [key.split("-")[0] for key in GPUS]
-    out = {}
-    for key, model in zip(GPUS, models):
-        gb = GPUS[key] // GIB
-        for unit in ("GB", "G", "GIB"):
-            out[_norm(f"{model}{gb}{unit}")] = key
-        if models.count(model) == 1:
-            out[_norm(model)] = key
-    return out
-
-
-def gpu_name(name):
-    """The `GPUS` key for a card as people write it: 'H100', 'h100', 'H100-80GB', 'NVIDIA H100
-    80GB', 'a100_40gb'. 'A100' alone is refused: it came with 40 and 80 GB."""
-    key = _spellings().get(_norm(name))
-    if key is not None:
-        return key
-    sizes = [k for k in GPUS if _norm(k.split("-")[0]) == _norm(name)]
-    hint = f" (it came with {' and '.join(k.split('-')[1] for k in sizes)}: name one)" \
-        if sizes else ""
-    raise ValueError(f"gpu={name!r} is not a card ddpkit knows{hint}; pass one of "
-                     f"{', '.join(GPUS)} (ddpkit.explore.plan.GPUS) or a byte count such as "
-                     f"16 * 2**30")
-
-
-def usable_bytes(gpu):
-    """Bytes a training step can use on a named GPU (or a byte count given as is)."""
-    if isinstance(gpu, str) and not re.fullmatch(r"\s*[\d.]+\s*([KMGT]i?B|B)?\s*", gpu, re.I):
-        return int((GPUS[gpu_name(gpu)] - CUDA_CONTEXT) * (1 - ALLOCATOR_RESERVE))
-    return parse_bytes(gpu, "gpu")
-
-
-def parse_bytes(value, name="memory_budget"):
-    """An int of bytes, or a string like '12GiB', '512 MiB', '1.5GB' (GB = 10**9)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}: pass bytes (an int) or a string like '12GiB'")
-    if isinstance(value, (int, float)) and value > 0:
-        return int(value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", value, re.I)
-        if m:
-            unit = (m.group(2) or "B").upper()
-            scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                     "KIB": KIB, "MIB": MIB, "GIB": GIB, "TIB": TIB}[unit]
-            return int(float(m.group(1)) * scale)
-    raise ValueError(f"{name}={value!r}: pass bytes (an int > 0) or a string like '12GiB' or "
-                     f"'512MiB'")
-
-
-def _budget(memory_budget):
-    """A budget in bytes: a card's usable bytes for a GPU name, else bytes or a size string."""
-    try:
-        return usable_bytes(memory_budget) if isinstance(memory_budget, str) else \
-            parse_bytes(memory_budget)
-    except ValueError:
-        return parse_bytes(memory_budget)  # its message names memory_budget
-
+from ..engine.memory import TIE
+from ..engine.policies import CheckpointSetting
+from .gpus import (ALLOCATOR_RESERVE, CUDA_CONTEXT, GPUS, budget_bytes, gpu_name,  # noqa: F401
+                   parse_bytes, usable_bytes)
+from .units import fmt_bytes
 
 @dataclass
 class Fit:
@@ -158,6 +83,8 @@ class Choice:
     states: int
     flops: int
     flops_ratio: float
+    setting: object = field(default=None, repr=False, compare=False)
+    """The `CheckpointSetting` (its regions: an int setting's segments are several blocks)."""
     placed: int = 0
     """The step peak placed from the simulated step without checkpointing (the search's key)."""
     peak: object = None
@@ -170,7 +97,7 @@ class Choice:
     @property
     def checkpoint(self):
         """The setting for TrainConfig.checkpoint (None when nothing is checkpointed)."""
-        return list(self.mask) if any(self.mask) else None
+        return (self.setting or CheckpointSetting.from_mask(self.mask)).plain
 
 
 @dataclass
@@ -204,8 +131,7 @@ class Plan:
         """The frontier: each mask's activations, placed step peak and FLOP ratio."""
         import pandas as pd
 
-        return pd.DataFrame([dict(checkpointed=sum(c.mask),
-                                  mask="".join("1" if b else "0" for b in c.mask),
+        return pd.DataFrame([dict(checkpointed=sum(c.mask), mask=str(CheckpointSetting.from_mask(c.mask)),
                                   activation_bytes=c.activations, peak_bytes=c.total,
                                   simulated=c.peak is not None, flops_ratio=round(c.flops_ratio, 4),
                                   chosen=self.choice is not None and c.mask == self.choice.mask)
@@ -239,29 +165,49 @@ def _figures(cfg):
 
     est = estimate(cfg.replace(checkpoint=None))
     n = cfg.n_blocks
-    base_flops = traced_flops(cfg, None)
+    base_flops = traced_flops(cfg, CheckpointSetting(None, n))
     recompute, by_signature = [], {}
     for i, b in enumerate(est.blocks):
         sig = (b.keeps, b.boundary, b.flops)  # identical blocks recompute identically
         if sig not in by_signature:
-            alone = [j == i for j in range(n)]
+            alone = CheckpointSetting.from_mask([j == i for j in range(n)])
             by_signature[sig] = traced_flops(cfg, alone) - base_flops
         recompute.append(by_signature[sig])
     return _Blocks([b.keeps - b.boundary for b in est.blocks], [b.keeps for b in est.blocks],
                    recompute, est.activations, base_flops, est.params + est.grads + est.optimizer)
 
 
-def _choice(fig, mask):
-    acts = fig.base_acts - sum(s for s, on in zip(fig.saves, mask) if on)
-    # backward runs the blocks last to first: when block i is recomputed, the blocks after it
-    # have been freed, and its inside comes back on top of what the blocks before it hold
-    peak, after = acts, 0
-    for i in reversed(range(len(mask))):
-        if mask[i]:
-            peak = max(peak, acts - after + fig.saves[i])
-        after += fig.keeps[i] - (fig.saves[i] if mask[i] else 0)  # what block i holds
-    flops = fig.base_flops + sum(r for r, on in zip(fig.recompute, mask) if on)
-    return Choice(tuple(mask), acts, peak, fig.states, flops, flops / fig.base_flops)
+def _choice(fig, setting, flops=None):
+    """What ``setting`` (a `CheckpointSetting`) costs: each checkpointed segment one region.
+    ``flops``: the step's counted FLOPs when known (else the sum of the blocks' recomputes)."""
+    mask, regions = setting.mask, setting.regions
+    # a region keeps its first block's input (its boundary) in place of all its blocks' insides
+    freed = {a: sum(fig.keeps[a:b]) - (fig.keeps[a] - fig.saves[a]) for a, b in regions}
+    acts = fig.base_acts - sum(freed.values())
+    # backward runs the regions last to first: when one is recomputed, the blocks after it have
+    # been freed, and its blocks' whole inside comes back on top of what the blocks before hold
+    peak, after, stop = acts, 0, len(mask)
+    for a, b in reversed(regions):
+        after += sum(fig.keeps[b:stop])  # the plain blocks between this region and the next
+        peak = max(peak, acts - after + freed[a])
+        after += fig.keeps[a] - fig.saves[a]  # what the region held: its boundary
+        stop = a
+    if flops is None:
+        flops = fig.base_flops + sum(r for r, on in zip(fig.recompute, mask) if on)
+    return Choice(tuple(mask), acts, peak, fig.states, flops, flops / fig.base_flops, setting)
+
+
+def cost(cfg, setting=None):
+    """`Choice` of ``setting`` (a `CheckpointSetting`; the config's when not given): activation
+    bytes after forward, the backward's activation peak (a checkpointed segment's recompute
+    brings its whole inside back at once), model states, the step's FLOPs, counted, and its
+    simulated step peak (``total``)."""
+    from .estimate import traced_flops
+
+    setting = cfg.checkpointing if setting is None else setting
+    choice = _choice(_figures(cfg), setting, traced_flops(cfg, setting))
+    choice.peak = _peak(cfg.replace(checkpoint=setting.plain))
+    return choice
 
 
 def _place(choice, fig, unchecked):
@@ -269,7 +215,7 @@ def _place(choice, fig, unchecked):
     forward peaks with its saved activations (lower by what the mask saves), the backward
     with its activation peak (lower by as much), the optimizer step as it was."""
     by = unchecked.by_phase
-    none = _choice(fig, (False,) * len(fig.saves))
+    none = _choice(fig, CheckpointSetting(None, len(fig.saves)))
     choice.placed = max(by.get("forward", 0) - (none.activations - choice.activations),
                         by.get("backward", 0) - (none.peak_activations - choice.peak_activations),
                         by.get("optimizer", 0))
@@ -328,16 +274,16 @@ def plan(cfg, memory_budget):
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")
-    budget = _budget(memory_budget)
+    budget = budget_bytes(memory_budget)
     fig = _figures(cfg)
     unchecked = _peak(cfg.replace(checkpoint=None))
-    front = frontier(_place(_choice(fig, m), fig, unchecked) for m in _masks(fig))
-    optimizer = unchecked.by_phase.get("optimizer", 0)
-    if optimizer > budget:
-        reason = (f"the step peaks in the optimizer step ({fmt_bytes(optimizer)}: parameters, gradients, "
-                  f"optimizer state and the update's temporaries, with DDP's buckets), which "
-                  f"checkpointing cannot lower: it frees activations, and those are gone by then")
-        return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
+    front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m)), fig, unchecked)
+                     for m in _masks(fig))
+    # every block checkpointed keeps the fewest activations: what checkpointing can reach
+    lowest = unchecked if not front[1:] else _peak(cfg.replace(checkpoint="full"))
+    if min(lowest.bytes, unchecked.bytes) > budget:
+        return Plan(budget, None, front, _alternatives(cfg, budget), cfg,
+                    _out_of_reach(unchecked, lowest), unchecked)
     for c in front:  # cheapest first; simulate those placed within the budget
         if c.placed <= budget:
             c.peak = _peak(cfg.replace(checkpoint=c.checkpoint))
@@ -346,6 +292,18 @@ def plan(cfg, memory_budget):
     reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
               f"{fmt_bytes(min(c.total for c in front))})")
     return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
+
+
+def _out_of_reach(unchecked, lowest):
+    """Why no checkpoint choice fits: the peak is where no activations are left to free (it
+    does not move with checkpointing), or it moves, but not far enough."""
+    if lowest.bytes >= unchecked.bytes * (1 - TIE):
+        return (f"the step peaks where no activations are left to free (in the "
+                f"{lowest.phase}, {fmt_bytes(lowest.bytes)}: parameters, gradients, optimizer "
+                f"state, DDP's buckets and temporaries), which checkpointing cannot lower: it "
+                f"frees activations, and those are gone by then")
+    return (f"with every block checkpointed the step still peaks at {fmt_bytes(lowest.bytes)} "
+            f"in the {lowest.phase}: no checkpoint choice brings it within the budget")
 
 
 def _alternatives(cfg, budget):

@@ -24,6 +24,7 @@ import time
 import anywidget
 import traitlets
 
+from ..engine.policies import CheckpointSetting
 from .units import MIB, byte_unit
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
@@ -195,9 +196,17 @@ class LivePlots:
     def figures(self):
         return [self.loss, self.memory, self.timing]
 
+    def place(self, widget, after):
+        """Put ``widget`` into the grid right after figure ``after`` (the Lab's peak panel goes
+        beside the memory plot)."""
+        kids = list(self.widget.children)
+        kids.insert(kids.index(after) + 1, widget)
+        self.widget.children = tuple(kids)
+
     # --- runs
-    def new_run(self, world_size, predict=None, label="run"):
-        """Fade the traces of the run before (dropping older ones) and start fresh ones."""
+    def new_run(self, world_size, predict=None, label="run", n_blocks=None):
+        """Fade the traces of the run before (dropping older ones) and start fresh ones.
+        ``n_blocks``: the model's block count, for the labels of checkpoint changes."""
         with self._lock:
             self._pending.clear()
         for fig in self.figures:
@@ -232,7 +241,7 @@ class LivePlots:
         if predict is not None:
             self._add(self.memory, ("predicted", 0), "activations predicted", PREDICTED,
                       dash="dash", width=2.5)
-        self._label = label
+        self._label, self._n_blocks = label, n_blocks
 
     def _add(self, fig, key, name, color, dash=None, mode="lines", yaxis=None, width=2,
              opacity=1.0, marker=None):
@@ -304,7 +313,7 @@ class LivePlots:
                 t.xs.append(step)
                 t.ys.append(self._predict(rec) / (mem or MIB))
             if rec.get("changed") and r == 0:
-                marks.append((step, _change_text(rec)))
+                marks.append((step, _change_text(rec, self._n_blocks)))
         self._calls_axis()
         self._send()
         for step, text in marks:
@@ -373,14 +382,13 @@ class LivePlots:
         return list(t.ys) if t is not None else []
 
 
-def _change_text(rec):
-    """A short label for a mid-run change: 'ckpt 2', 'ckpt off', 'accum 4'."""
+def _change_text(rec, n_blocks=None):
+    """A short label for a mid-run change: 'step 12: 2 segments', 'step 30: accum 4'; the
+    checkpoint setting as `CheckpointSetting.label` says it."""
     parts = []
     for kind in rec["changed"].split(","):
-        if kind == "checkpoint":
-            value = rec.get("checkpoint", "?")
-            value = "off" if value == "None" else ("per block" if value.startswith("[") else value)
-            parts.append(f"ckpt {value}")
+        if kind == "checkpoint" and n_blocks is not None:
+            parts.append(CheckpointSetting.of(rec["checkpoint"], n_blocks).label())
         elif kind == "accum_steps":
             parts.append(f"accum {rec.get('accum_steps', '?')}")
         else:

@@ -4,7 +4,7 @@ and the doctor that looks for the same faults in your own model.
 ``ddpkit.pitfalls.catalog()``, ``get(name)``, ``run(name, fixed=False)``.
 
 `known.py` (the catalogue, as data) · `fixes.py` (each fix said once, for catalogue and doctor) ·
-`runs.py` (a pitfall's broken and fixed runs on real ranks) · `ranks.py` (what those ranks run) ·
+`runs.py` (a pitfall's broken and fixed runs on real ranks) · `ranks/` (what those ranks run, by family) ·
 `scripts.py` (the pitfalls that need a fresh Python, kept as strings) · `doctor.py` (`doctor`,
 imported with ddpkit) over `observe.py` (one watched forward/backward) and `rules.py` (one rule
 per hazard). The catalogue, runners and rank code load on first use, so a rank process never

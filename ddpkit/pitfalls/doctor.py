@@ -110,19 +110,12 @@ def _doctor_config(cfg):
         own = _own_settings(model, cfg)
         prepare_for_training(model)
     batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
-    found = doctor(model, _Call(lambda m: compute_loss(m, batch, cfg.loss_fn)),
+    found = doctor(model, lambda m: compute_loss(m, batch, cfg.loss_fn),
                    checkpoint=cfg.checkpoint, blocks=cfg.blocks_path,
                    use_reentrant=cfg.use_reentrant, preserve_rng_state=cfg.preserve_rng_state,
                    ddp_kwargs=dict(find_unused_parameters=cfg.find_unused_parameters,
                                    static_graph=cfg.static_graph))
     return Findings(own + found)
-
-
-class _Call:
-    """An example input that is a whole call: ``run(model)`` returns the loss."""
-
-    def __init__(self, run):
-        self.run = run
 
 
 def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
@@ -131,7 +124,8 @@ def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
 
     ``doctor(cfg)`` checks a `TrainConfig`, built-in model or yours (its model, one micro-batch of
     its data through its loss, its checkpoint, reentrancy and DDP settings). A bare model takes
-    ``example_input`` (a tensor, or a tuple of positional arguments) and, if the model does not
+    ``example_input``: a tensor, a tuple of positional arguments, or a whole call, a function
+    ``run(model) -> loss`` (keyword arguments, a loss of your own); and, if the model does not
     checkpoint itself, ``checkpoint=``: an int / 'full' / one bool per block (over the repeated
     blocks `ddpkit.engine.blocks.find_blocks` finds, or those at the dotted path ``blocks=``), a list of
     submodule names to checkpoint, or a callable ``(name, module) -> bool``.
@@ -148,9 +142,10 @@ def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
                         f"{type(model).__name__}")
     if example_input is None:
         raise TypeError("doctor(model, example_input): pass one example batch (a tensor, or a "
-                        "tuple of the forward's positional arguments)")
-    if isinstance(example_input, _Call):
-        forward = example_input.run
+                        "tuple of the forward's positional arguments), or a function "
+                        "model -> loss")
+    if callable(example_input):  # a whole call (a tensor is not callable)
+        forward = example_input
     else:
         inputs = example_input if isinstance(example_input, tuple) else (example_input,)
         forward = lambda m: loss_of(m(*inputs), loss_fn)  # noqa: E731

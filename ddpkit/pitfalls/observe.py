@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointError
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ..engine.blocks import block_names, find_blocks
-from ..engine.policies import CheckpointPolicy, remove
+from ..engine.policies import CheckpointSetting, remove
 
 
 def where(names, limit=4):
@@ -58,32 +58,12 @@ def install_checkpoint(model, setting, use_reentrant, preserve_rng_state, watch,
     segment is (name, [modules]) and undo() puts the model back as it was."""
     if setting is None:
         return [], lambda: None
-    is_block_setting = setting == "full" or (isinstance(setting, int) and not isinstance(setting, bool)) \
-        or (isinstance(setting, (list, tuple)) and setting and all(isinstance(b, bool) for b in setting))
-    if is_block_setting:
-        try:
-            path, blocks = find_blocks(model, blocks)
-        except ValueError:
-            if blocks is not None:
-                raise
-            raise ValueError(f"doctor: checkpoint={setting!r} acts on repeated blocks, and this "
-                             f"{type(model).__name__} has none; pass checkpoint= as a list of "
-                             f"submodule names, or a callable (name, module) -> bool") from None
-        # the very policy the ranks install, so doctor checks what will run
-        policy = CheckpointPolicy(setting, len(blocks), use_reentrant, preserve_rng_state)
-        policy.apply(model, path)
-        names = block_names(path, blocks)
-        segs = [(names[a] if b - a == 1 else f"{path}[{a}:{b}]", list(blocks[a:b]))
-                for a, b, on in policy.segments if on]
-        return segs, lambda: remove(model)
-    elif callable(setting):
+    if callable(setting):
         names = outermost([n for n, m in model.named_modules() if n and setting(n, m)])
-    elif isinstance(setting, (list, tuple)) and all(isinstance(n, str) for n in setting):
+    elif isinstance(setting, (list, tuple)) and setting and all(isinstance(n, str) for n in setting):
         names = list(setting)
     else:
-        raise ValueError(f"doctor: checkpoint={setting!r}: pass None, an int, 'full' or one bool "
-                         f"per block (models with .blocks), a list of submodule names, or a "
-                         f"callable (name, module) -> bool")
+        return _install_setting(model, setting, use_reentrant, preserve_rng_state, blocks)
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules]
     if missing:
@@ -93,6 +73,29 @@ def install_checkpoint(model, setting, use_reentrant, preserve_rng_state, watch,
     for name in names:
         undos.append(_wrap_forward(modules[name], name, use_reentrant, preserve_rng_state, watch))
     return [(n, [modules[n]]) for n in names], lambda: [u() for u in reversed(undos)]
+
+
+def _install_setting(model, value, use_reentrant, preserve_rng_state, blocks):
+    """A block setting (an int, 'full', one bool per block): the very policy the ranks install,
+    so doctor checks what will run."""
+    try:
+        path, blocks = find_blocks(model, blocks)
+    except ValueError:
+        if blocks is not None:
+            raise
+        raise ValueError(f"doctor: checkpoint={value!r} acts on repeated blocks, and this "
+                         f"{type(model).__name__} has none; pass checkpoint= as a list of "
+                         f"submodule names, or a callable (name, module) -> bool") from None
+    try:
+        setting = CheckpointSetting.of(value, len(blocks))
+    except ValueError as exc:
+        raise ValueError(f"doctor: {exc}; or, to doctor, a list of submodule names or a "
+                         f"callable (name, module) -> bool") from None
+    setting.build(use_reentrant, preserve_rng_state).apply(model, path)
+    names = block_names(path, blocks)
+    segs = [(names[a] if b - a == 1 else f"{path}[{a}:{b}]", list(blocks[a:b]))
+            for a, b in setting.regions]
+    return segs, lambda: remove(model)
 
 
 def _wrap_forward(module, name, use_reentrant, preserve_rng_state, watch):

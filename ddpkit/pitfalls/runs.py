@@ -23,7 +23,7 @@ import torch
 from ..errors import RankError, RankStalled
 from ..runtime.launch import launch
 from .known import get
-from .doctor import _Call, doctor
+from .doctor import doctor
 from .ranks import (BNNet, BranchNet, CkptNet, DropNet, LayerDropNet, batch, build, gpt2_tokens,
                     hf_checkpointing, rank_accum_loop, rank_accumulate, rank_batchnorm,
                     rank_default_reentrant, rank_dropout, rank_exception, rank_hf,
@@ -223,7 +223,7 @@ def _hf_spec(fixed):
         return None
     model = hf_checkpointing(tiny_gpt2(), use_reentrant=not fixed).train()
     ids = gpt2_tokens(0, 0)
-    return (model, _Call(lambda m: m(input_ids=ids, labels=ids).loss),
+    return (model, lambda m: m(input_ids=ids, labels=ids).loss,
             {} if fixed else {"find_unused_parameters": True})
 
 

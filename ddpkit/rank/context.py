@@ -34,8 +34,7 @@ class Context:
         self.device, self.backend, self.seed = device, backend, seed
         self.is_main = rank == 0
         self._channel = channel
-        self.last_step = None
-        self._next_sync, self._last_sync = 0, None
+        self.new_job()
         self.records = []  # kept here only when there is no kernel to send them to (torchrun)
         self.on_record = None  # under torchrun: called with each record instead of printing it
 
@@ -54,6 +53,12 @@ class Context:
         else:
             place = torch.device("cpu")
         return cls(rank, world, local, place, backend, seed)
+
+    def new_job(self):
+        """Clear the per-job state (the last step logged, when to talk about settings next):
+        a warm rank starts each job as a fresh one would."""
+        self.last_step = None
+        self._next_sync, self._last_sync = 0, None
 
     def log(self, **fields):
         """Send one record (a flat dict of numbers/strings) to the kernel, now."""

@@ -144,8 +144,7 @@ def start_job(ctx, seed, flags=None):
     """What every job starts from, spawned or under torchrun: the context's per-job state
     cleared, every RNG seeded with ``seed``, the kernel's determinism ``flags`` (this process's
     own when None) in force."""
-    ctx.last_step = None
-    ctx._next_sync, ctx._last_sync = 0, None
+    ctx.new_job()
     apply_job_state(seed, capture_job_state() if flags is None else flags)
     ctx.seed = seed
 

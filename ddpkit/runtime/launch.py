@@ -45,7 +45,7 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
     world_size = 2 if world_size is None else world_size
     check_options(block, on_metric, on_output, port, host)
     backend, device = resolve_devices(world_size, backend, device)
-    job = _make_job(fn, args, kwargs, seed, stall_timeout_s)
+    job = make_job(fn, args, kwargs, seed, stall_timeout_s)
     group = RankGroup(world_size, backend, device, persistent=False, port=port,
                       pg_timeout_s=job["pg_timeout_s"], deterministic=job["flags"]["deterministic"],
                       host=host)
@@ -111,12 +111,14 @@ def check_host(host):
                          f"machine") from None
 
 
-def _collective_timeout(stall_timeout_s):
+def collective_timeout(stall_timeout_s):
     """gloo/NCCL's own collective timeout: above the watchdog's, so the watchdog speaks first."""
     return max(120.0, 2 * stall_timeout_s) if stall_timeout_s else 1800.0
 
 
-def _make_job(fn, args, kwargs, seed, stall_timeout_s):
+def make_job(fn, args, kwargs, seed, stall_timeout_s):
+    """One job for the ranks (a spawned group's or a warm pool's), checked: the function and
+    its arguments by value, the seed, the kernel's determinism flags, the collective timeout."""
     if stall_timeout_s is not None and not stall_timeout_s > 0:
         raise ValueError(f"stall_timeout_s={stall_timeout_s!r}: pass a number of seconds > 0, "
                          f"or None to turn the watchdog off")
@@ -126,4 +128,4 @@ def _make_job(fn, args, kwargs, seed, stall_timeout_s):
     # the collective timeout travels with each job: a pool's ranks serve jobs of any
     # stall_timeout_s, and torch's own timeout must never fire before ddpkit's watchdog
     return {"payload": payload, "seed": seed, "flags": capture_job_state(),
-            "pg_timeout_s": _collective_timeout(stall_timeout_s)}
+            "pg_timeout_s": collective_timeout(stall_timeout_s)}

@@ -8,7 +8,7 @@ import torch
 from ..devices import resolve_devices
 from .group import HOST, RankGroup
 from .handle import RunHandle
-from .launch import _collective_timeout, _make_job, check_options
+from .launch import collective_timeout, make_job, check_options
 
 
 class Pool:
@@ -43,7 +43,7 @@ class Pool:
                 self._group.close(graceful=stale)
             # each job sets its own collective timeout (rank._run_job); this one covers start-up
             self._group = RankGroup(self.world_size, self.backend, self.device, persistent=True,
-                                    port=self._port, pg_timeout_s=_collective_timeout(300.0),
+                                    port=self._port, pg_timeout_s=collective_timeout(300.0),
                                     deterministic=deterministic, host=self.host)
 
     @property
@@ -53,7 +53,7 @@ class Pool:
     def launch(self, fn, *args, block=True, on_metric=None, on_output=None,
                stall_timeout_s=300.0, seed=0, **kwargs):
         check_options(block, on_metric, on_output)
-        job = _make_job(fn, args, kwargs, seed, stall_timeout_s)
+        job = make_job(fn, args, kwargs, seed, stall_timeout_s)
         with self._lock:
             if self.busy:
                 raise RuntimeError("this pool is already running a job; wait() or stop() it "

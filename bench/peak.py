@@ -1,0 +1,182 @@
+"""The step's peak at real sizes: measured on 2 gloo ranks, beside `estimate(cfg).peak()`, and
+checked against an independent reading (each rank's resident memory).
+
+For each row, every probed step (0, 1, 2) of each rank: the measured peak (c10's count of live
+CPU allocations in a profiler window), the prediction (the rank's step simulated on fake
+tensors), their difference in % of the measured, and whether the phases agree. Acceptance: at
+most 3% and the same phase, on every row and step (torch's own MemTracker test accepts 10%).
+
+The independent reading: each rank runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then
+serves every block of 64 KiB or more with its own mapping and returns it to the system when it
+is freed, so resident memory follows the live bytes), resets its high-water mark
+(``/proc/self/clear_refs``) at each step's record and reads it at the next: the step's highest
+resident memory, less what was resident but not in torch's count at the record before (the
+interpreter, libraries, small blocks), is a peak measured by the operating system.
+
+    python -m bench.peak            # ~25 minutes on 2 cores; --quick: 4 rows
+"""
+import os
+import sys
+import time
+
+import ddpkit
+from bench._common import machine, table
+
+MIB = 2**20
+
+
+def gpt2_small():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_embd=768, n_layer=12, n_head=12, vocab_size=50257,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      use_cache=False))
+
+
+def llama_100m():
+    """A Llama-style decoder of ~100M parameters: RMSNorm, rotary positions, grouped-query
+    attention (12 heads, 4 for keys and values), SwiGLU, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=768, intermediate_size=2048,
+                                        num_hidden_layers=8, num_attention_heads=12,
+                                        num_key_value_heads=4, vocab_size=32000,
+                                        max_position_embeddings=1024, use_cache=False))
+
+
+def rows(quick=False, device="cpu"):
+    """(name, config) for each row: one setting changed at a time from each model's base."""
+    run = dict(world_size=2, steps=3, peak_every=1, device=device, optimizer="adamw",
+               backend="gloo" if device == "cpu" else None)
+    gpt = dict(model=gpt2_small, seq_len=128, micro_batch=1, **run)
+    llama = dict(model=llama_100m, seq_len=256, micro_batch=2, **run)
+    out = [("GPT-2 s128 b1", gpt),
+           ("GPT-2 s128 b1 sgd", {**gpt, "optimizer": "sgd"}),
+           ("GPT-2 s512 b4 full", {**gpt, "seq_len": 512, "micro_batch": 4, "checkpoint": "full"}),
+           ("Llama s256 b2 fsdp", {**llama, "strategy": "fsdp"})]
+    if quick:
+        return out
+    out += [("GPT-2 s128 b4", {**gpt, "micro_batch": 4}),
+            ("GPT-2 s512 b1", {**gpt, "seq_len": 512}),
+            ("GPT-2 s512 b1 2 segments", {**gpt, "seq_len": 512, "checkpoint": 2}),
+            ("GPT-2 s512 b1 selective", {**gpt, "seq_len": 512,
+                                         "checkpoint": [True, False] * 6}),
+            ("GPT-2 s128 b1 bucket view", {**gpt, "gradient_as_bucket_view": True}),
+            ("GPT-2 s128 b1 sgd bucket view", {**gpt, "optimizer": "sgd",
+                                               "gradient_as_bucket_view": True}),
+            ("GPT-2 s128 b1 zero1", {**gpt, "strategy": "ddp_zero1"}),
+            ("GPT-2 s128 b1 fsdp", {**gpt, "strategy": "fsdp"}),
+            ("GPT-2 s128 b1 bf16", {**gpt, "precision": "bf16"}),
+            ("GPT-2 s512 b1 bf16 full", {**gpt, "seq_len": 512, "precision": "bf16",
+                                         "checkpoint": "full"}),
+            ("Llama s256 b2", llama),
+            ("Llama s256 b2 sgd", {**llama, "optimizer": "sgd"}),
+            ("Llama s256 b2 full", {**llama, "checkpoint": "full"}),
+            ("Llama s256 b2 bucket view", {**llama, "gradient_as_bucket_view": True}),
+            ("Llama s256 b2 zero1", {**llama, "strategy": "ddp_zero1"}),
+            ("Llama s256 b2 bf16", {**llama, "precision": "bf16"}),
+            ("Llama s256 b2 fsdp sgd 2 segments", {**llama, "strategy": "fsdp",
+                                                   "optimizer": "sgd", "checkpoint": 2})]
+    return out
+
+
+# ----------------------------------------------------------------------------- on the ranks
+def _status(key):
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def watched_train(ctx, cfg):
+    """`train_rank`, with each record also carrying the operating system's view of the step
+    before it: the resident high-water mark since the last record, and what was resident
+    beyond torch's count then."""
+    from ddpkit.engine.loop import train_rank
+    from ddpkit.engine.memory import cpu_allocated
+
+    log, state = ctx.log, {}
+
+    def reset():
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # the high-water mark starts again from now
+        state["outside"] = _status("VmRSS") - cpu_allocated()
+
+    def with_rss(**record):
+        if "outside" in state and "peak_bytes" in record:
+            record["rss_peak_bytes"] = _status("VmHWM") - state["outside"]
+        log(**record)
+        reset()
+
+    ctx.log = with_rss
+    reset()
+    return train_rank(ctx, cfg)
+
+
+# ----------------------------------------------------------------------------- the table
+def measure(name, cfg):
+    t0 = time.perf_counter()
+    est = ddpkit.estimate(cfg)
+    predicted = {(r, s): est.peak(step=s, rank=r) for r in range(cfg.world_size) for s in (0, 1)}
+    t_predict = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = ddpkit.launch(watched_train, cfg, world_size=cfg.world_size, backend=cfg.backend,
+                        device=cfg.device)
+    t_run = time.perf_counter() - t0
+    worst, phases, rss_worst = 0.0, True, 0.0
+    for m in res.metrics:
+        if "peak_bytes" not in m:
+            continue
+        p = predicted[m["rank"], min(m["step"], 1)]
+        err = (p.bytes - m["peak_bytes"]) / m["peak_bytes"]
+        worst = err if abs(err) > abs(worst) else worst
+        phases &= p.phase == m["peak_phase"]
+        # step 1: c10's count is on from the start to then (step 0's blocks are touched as
+        # they are made, so its resident memory lags)
+        if "rss_peak_bytes" in m and m["step"] == 1 and cfg.device != "cuda":
+            # the OS sees the dataset too, which the probe leaves out
+            rss_err = (m["rss_peak_bytes"] - m["data_bytes"] - m["peak_bytes"]) / m["peak_bytes"]
+            rss_worst = rss_err if abs(rss_err) > abs(rss_worst) else rss_worst
+    top = max(res.metrics, key=lambda m: m.get("peak_bytes", 0))
+    print(f"{name}: worst {100 * worst:+.3f}%, phases {'agree' if phases else 'DIFFER'}, "
+          f"rss {100 * rss_worst:+.2f}% ({t_predict:.1f} s to predict, {t_run:.0f} s to run)",
+          flush=True)
+    ledger = top["peak_ledger"]
+    made_of = ", ".join(f"{k} {v / MIB:.0f}" for k, v in sorted(ledger.items(),
+                                                                key=lambda kv: -kv[1]) if v > MIB)
+    return [name, f"{top['peak_bytes'] / MIB:,.1f}", top["peak_phase"], made_of,
+            f"{100 * worst:+.3f}%", "yes" if phases else "**no**", f"{100 * rss_worst:+.2f}%",
+            f"{t_predict:.1f}"], abs(worst) <= 0.03 and phases
+
+
+def main(argv=None):
+    """``--quick``: 4 rows; ``--device cuda``: on GPUs (NCCL with 2, else the shared-GPU mode),
+    against ``max_memory_allocated``: the first two rows (``bench/gpu_check.sh`` runs them)."""
+    argv = sys.argv[1:] if argv is None else argv
+    device = argv[argv.index("--device") + 1] if "--device" in argv else "cpu"
+    # before any rank starts: glibc maps every block of 64 KiB and more on its own (see above)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    out, ok = [], True
+    chosen = rows(quick="--quick" in argv, device=device)
+    for name, kw in (chosen[:2] if device == "cuda" else chosen):
+        row, good = measure(name, ddpkit.TrainConfig(**kw))
+        out.append(row)
+        ok &= good
+    text = (f"## The step's peak at real sizes (`python -m bench.peak`)\n\n{machine()}; 2 "
+            f"{'gloo' if device == 'cpu' else device} ranks, steps 0, 1 and 2 of each rank probed. "
+            f"*peak*: the highest measured (MiB, "
+            f"per rank); *made of*: its ledger (MiB, kinds above 1 MiB); *worst error*: the "
+            f"largest (predicted - measured) / measured over every rank and step; *phase*: "
+            f"the predicted phase equals the measured one at every rank and step; *RSS*: the "
+            f"same peak read from each rank's resident memory (step 1), as (RSS - "
+            f"measured) / measured; *predict s*: the cold simulation of both ranks and steps.\n\n"
+            + table(["row", "peak MiB", "phase", "made of (MiB)", "worst error", "phase agrees",
+                     "RSS", "predict s"], out)
+            + f"\n\nEvery row within 3% with the phase agreeing: {'yes' if ok else 'NO'}.\n")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

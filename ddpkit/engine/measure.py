@@ -1,0 +1,114 @@
+"""`Measure`: the probes a run turned on, and when each one reads, as one object for the loop.
+
+``with measure.step(step, changed, model, optimizer) as acts:`` around one optimizer step (pass
+``acts`` to `train_step` as its activation probe: None on the steps it does not read), then
+``measure.read(model, optimizer)`` for the step's fields of the record (before ``zero_grad``
+frees the gradients). The schedules, each with its reason:
+
+* activation bytes are fixed by the checkpoint setting and the batch's shapes, and model-state
+  bytes by the model and the optimizer: they are read at the first step, at the step a mid-run
+  change lands and every ``peak_every`` steps, and carried between (the activation probe's hook
+  on every saved tensor costs ~0.3 ms a micro-batch on a CPU rank);
+* the step's peak (`memory.PeakProbe`): on CPU its profiler window doubles the step it
+  measures, so steps 0 (the optimizer state is made) and 1 (DDP rebuilds its buckets), every
+  ``peak_every`` steps after, and the step a change lands (CUDA's counter is free: every
+  step); the activation probe reads on those steps too (the peak's ledger names what it saved);
+* all-reduce calls and bytes, and the step's time: every step.
+
+Make it before the model is built: the peak probe counts what is allocated after it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from .memory import PeakProbe, cuda_history
+from .probes import ActivationProbe, StepTimer, state_bytes
+
+STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+class Measure:
+    """The probes of one run (``cfg.probes``) on ``device`` of rank ``rank``; `begin` gives it
+    the DDP comm counter that `strategies.wrap` installed (None without one) and the run's
+    first step."""
+
+    def __init__(self, cfg, device, rank=0):
+        probes = cfg.probes
+        self.peak = PeakProbe(device) if "peak" in probes else None  # first: it counts after
+        self.acts = ActivationProbe() if "activations" in probes else None
+        self.timer = StepTimer(device)
+        self.cuda = device.type == "cuda"
+        self.cfg, self.rank, self.comm, self.first = cfg, rank, None, 0
+        self.every = cfg.peak_every
+        self.states = {}  # model-state bytes: read on the sampled steps, carried between
+        self._sample = self._peak = False
+
+    def left_out(self, make, *args):
+        """``make(*args)``, its bytes left out of the peak (the dataset: on a GPU run it stays
+        in host memory): what this thread allocates meanwhile (`PeakProbe.leaving_out`)."""
+        if not self.peak:
+            return make(*args)
+        with self.peak.leaving_out():
+            return make(*args)
+
+    def begin(self, comm, first):
+        self.comm, self.first = comm, first
+
+    def samples(self, step, changed):
+        """Does this step read activation and model-state bytes?"""
+        return (step == self.first or bool(changed) or step % self.every == 0
+                or self.peaks(step, changed))
+
+    def peaks(self, step, changed):
+        """Does this step read the peak?"""
+        return self.peak is not None and (self.cuda or bool(changed) or step - self.first < 2
+                                          or (step - 1) % self.every == 0)
+
+    @property
+    def phase(self):
+        """`train_step`'s phase marks for this step (the peak probe's), or None."""
+        return self.peak.phase if self._peak else None
+
+    @contextlib.contextmanager
+    def step(self, step, changed, model, optimizer):
+        """Around one optimizer step: times it, and opens the probes this step reads. Yields
+        the activation probe for `train_step` (None when this step does not read it)."""
+        self._sample, self._peak = self.samples(step, changed), self.peaks(step, changed)
+        if self.comm is not None:
+            self.comm.reset()
+        acts = self.acts if self._sample else None
+        if acts is not None:
+            acts.new_step()
+        peak = self.peak.step(model, optimizer, self.comm.bucket_buffers if self.comm else None,
+                              acts) if self._peak else contextlib.nullcontext()
+        with self.timer.time(), peak, self._history(step):
+            yield acts
+
+    def _history(self, step):
+        """``TrainConfig.memory_snapshot``: the allocator's history of step 1, on CUDA."""
+        folder = self.cfg.memory_snapshot
+        if not (folder and self.cuda and step == self.first + 1):
+            return contextlib.nullcontext()
+        os.makedirs(folder, exist_ok=True)
+        return cuda_history(os.path.join(folder, f"rank{self.rank}-step{step}.pickle"))
+
+    def read(self, model, optimizer):
+        """The step's measured fields for its record (call before ``zero_grad``)."""
+        if self._sample:
+            self.states = dict(zip(STATE_FIELDS, state_bytes(model, optimizer)))
+        out = dict(self.states)
+        if self.acts is not None:
+            out["activation_bytes"] = self.acts.max_bytes
+        if self._peak and self.peak.peak is not None:
+            p = self.peak.peak
+            out.update(peak_bytes=p.bytes, peak_phase=p.phase, peak_ledger=p.ledger,
+                       peak_by_phase=p.by_phase, data_bytes=self.peak.data_bytes)
+        if self.comm is not None:
+            out.update(allreduce_calls=self.comm.calls, allreduce_bytes=self.comm.bytes)
+        return out
+
+    @property
+    def seconds(self):
+        """The last step's wall time."""
+        return self.timer.seconds

@@ -1,0 +1,140 @@
+"""Between the Lab's controls and a `TrainConfig`: the controls set from a config, the config the
+controls describe, what a moved control does (the estimate read-out follows it; mid-run, the
+settings that may change are sent to the ranks). Widgets only edit a config."""
+from __future__ import annotations
+
+import html
+import threading
+
+from ..engine.policies import CheckpointSetting
+from .estimate import estimate
+from .units import fmt_bytes
+
+
+class ConfigSync:
+    """``view``: the `LabView`; ``cfg``: the config the Lab started from (what the controls do
+    not edit comes from it); ``running()``: is a run going; ``send(**settings)``: to its ranks."""
+
+    def __init__(self, view, cfg, running, send):
+        self.view, self.cfg, self.running, self.send = view, cfg, running, send
+        self._syncing = False
+        self._selective = False
+        self._wanted = None  # (generation, config, estimate) whose peak the read-out shows
+        self._generation = 0  # one more per read-out: a late peak of an older one is dropped
+        self._wake = threading.Condition()
+        threading.Thread(target=self._peaks, name="ddpkit-lab-peak", daemon=True).start()
+
+    def read_config(self, cfg):
+        """Set the controls from a config (without sending anything mid-run)."""
+        self._syncing = True
+        try:
+            setting = cfg.checkpoint
+            self.view.controls["segments"].value = setting if isinstance(setting, int) else 0
+            for t, on in zip(self.view.block_toggles, cfg.checkpointing.mask):
+                t.value = on
+            self._selective = isinstance(setting, (list, str))
+        finally:
+            self._syncing = False
+
+    def checkpoint_setting(self):
+        """What the controls say, a `CheckpointSetting`: the per-block toggles once one was
+        moved, else the segments slider (0: none)."""
+        if self._selective:
+            return CheckpointSetting.from_mask([t.value for t in self.view.block_toggles])
+        return CheckpointSetting.of(self.view.controls["segments"].value or None,
+                                    self.cfg.n_blocks)
+
+    def config(self):
+        """The TrainConfig the controls describe (raises ValueError naming the field)."""
+        v = {k: w.value for k, w in self.view.controls.items() if k != "segments"}
+        return self.cfg.replace(checkpoint=self.checkpoint_setting().plain, **v)
+
+    def on_control(self, change):
+        if self._syncing:
+            return
+        if change["owner"] is self.view.controls["segments"]:
+            self._selective = False
+            self._syncing = True
+            try:
+                for t, on in zip(self.view.block_toggles, self.checkpoint_setting().mask):
+                    t.value = on
+            finally:
+                self._syncing = False
+        self.update_estimate()
+        self.send_live()
+
+    def on_toggle(self, change):
+        if self._syncing:
+            return
+        self._selective = True
+        self.update_estimate()
+        self.send_live()
+
+    def set(self, **settings):
+        """Move controls from code, as a person would (``set(segments=2, accum_steps=4)``)."""
+        for name, value in settings.items():
+            if name == "checkpoint":
+                self.read_config(self.cfg.replace(checkpoint=value))
+                self.update_estimate()
+                self.send_live()
+            else:
+                self.view.controls[name].value = value
+
+    def send_live(self):
+        if not self.running():
+            return
+        try:
+            cfg = self.config()  # only settings that make a valid config are sent
+        except ValueError:
+            return
+        self.send(checkpoint=cfg.checkpoint, accum_steps=cfg.accum_steps)
+
+    def update_estimate(self):
+        view = self.view
+        with self._wake:
+            self._generation += 1
+        try:
+            cfg = self.config()
+        except ValueError as exc:
+            view.estimate_html.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
+            view.run_button.disabled = True
+            return
+        e = estimate(cfg)
+        view.estimate_html.value = _readout(e, "<i>simulating the step...</i>")
+        view.run_button.disabled = self.running()
+        with self._wake:  # the peak takes a simulated step: on a thread, the latest config only
+            self._wanted = (self._generation, cfg, e)
+            self._wake.notify()
+
+    def _peaks(self):
+        while True:
+            with self._wake:
+                while self._wanted is None:
+                    self._wake.wait()
+                generation, cfg, e = self._wanted
+                self._wanted = None
+            try:
+                p = e.peak()
+                top = sorted(((v, k) for k, v in p.ledger.items() if v), reverse=True)[:3]
+                text = (f"<b>the step's peak</b>: {fmt_bytes(p.bytes)} in the {p.phase} ("
+                        + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for v, k in top) + ")")
+            except Exception as exc:  # noqa: BLE001 (shown in the read-out, never raised here)
+                text = f"<span style='color:#b00'>{html.escape(f'{type(exc).__name__}: {exc}')}</span>"
+            with self._wake:
+                if generation == self._generation:  # no newer read-out meanwhile
+                    self.view.estimate_html.value = _readout(e, text)
+
+    def show_torchrun(self):
+        view = self.view
+        try:
+            view.torchrun_text.value = self.config().to_torchrun()
+        except ValueError as exc:  # a notebook-defined model has no import path
+            view.torchrun_text.value = str(exc)
+        view.torchrun_text.layout.display = ""
+
+
+def _readout(e, peak_text):
+    return (f"<div style='line-height:1.35'><b>predicted per rank</b>: params "
+            f"{fmt_bytes(e.params)}, grads {fmt_bytes(e.grads)}, optimizer "
+            f"{fmt_bytes(e.optimizer)}, activations {fmt_bytes(e.activations)} (one "
+            f"micro-batch); {peak_text}</div>")

@@ -1,0 +1,105 @@
+"""The Lab's widgets, built and laid out: one control per config field the Lab edits, one
+toggle per detected block, the planner box, the run's buttons and read-outs. Nothing here acts:
+`widgets.Lab` wires them to what they do."""
+from __future__ import annotations
+
+import ipywidgets as W
+
+from ..config import PRECISIONS
+from ..engine.blocks import block_names
+
+FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"
+FIXED_DURING_A_RUN = ("world_size", "precision", "micro_batch", "steps", "use_reentrant",
+                      "no_sync")
+
+
+class LabView:
+    """Every widget of a Lab for ``cfg``; ``widget`` is the whole dashboard. ``plots``: the
+    `LivePlots` shown beside the controls; ``planner``: the planner box (`PlanPanel`)."""
+
+    def __init__(self, cfg, plots, planner):
+        self.plots, self.planner = plots, planner
+        self._build_controls(cfg)
+        self._build_run_widgets(cfg)
+        self._lay_out()
+
+    def _build_controls(self, c):
+        """One control per config field the Lab edits, and one toggle per detected block."""
+        n = c.n_blocks
+        style = {"description_width": "110px"}
+        full = lambda: W.Layout(width="auto", max_width="380px")  # noqa: E731
+        self.controls = {
+            "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style,
+                                      layout=full()),
+            "segments": W.IntSlider(0, 0, n, description="ckpt segments", style=style,
+                                    layout=full(),
+                                    tooltip="0 = off; s = checkpoint_sequential segments "
+                                            "(the last segment is never checkpointed)"),
+            "use_reentrant": W.Checkbox(c.use_reentrant, description="use_reentrant",
+                                        indent=False),
+            "accum_steps": W.IntSlider(c.accum_steps, 1, 16, description="accum steps",
+                                       style=style, layout=full()),
+            "micro_batch": W.IntSlider(c.micro_batch, 1, 64, description="micro batch",
+                                       style=style, layout=full()),
+            "precision": W.Dropdown(options=list(PRECISIONS), value=c.precision,
+                                    description="precision", style=style, layout=full()),
+            "no_sync": W.Checkbox(c.no_sync, description="no_sync", indent=False),
+            "steps": W.BoundedIntText(c.steps, 1, 100_000, description="steps", style=style,
+                                      layout=full()),
+        }
+        # one toggle per block the config found in the model (its full module name as tooltip)
+        self.block_toggles = [W.ToggleButton(False, description=f"b{i}", tooltip=f"checkpoint {name}",
+                                             layout=W.Layout(width="44px"))
+                              for i, name in enumerate(block_names(c.blocks_path, range(n)))]
+
+    def _build_run_widgets(self, cfg):
+        """Buttons, progress, the estimate read-out, error banner, rank output, history."""
+        self.smooth = W.Checkbox(bool(self.plots.ema), description="smoothed loss (EMA)",
+                                 indent=False, disabled=not self.plots.ema)
+        self.run_button = W.Button(description="Run", button_style="success", icon="play")
+        self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop",
+                                    disabled=True)
+        self.torchrun_button = W.Button(description="copy as torchrun command", icon="terminal",
+                                        layout=W.Layout(width="auto"))
+        self.torchrun_text = W.Textarea(layout=W.Layout(width="100%", height="48px",
+                                                        display="none"))
+        self.progress = W.IntProgress(0, 0, cfg.steps, description="progress",
+                                      style={"description_width": "110px"},
+                                      layout=W.Layout(width="auto", max_width="380px"))
+        self.progress_label = W.Label("", layout=W.Layout(width="100%"))
+        self.estimate_html = W.HTML()
+        self.banner = W.HTML()
+        self.traceback = W.Accordion(children=[W.HTML()], layout=W.Layout(display="none"))
+        self.traceback.set_title(0, "traceback")
+        self.output = W.Output(layout=W.Layout(max_height="160px", overflow="auto"))
+        self._out_box = W.Accordion(children=[self.output])
+        self._out_box.set_title(0, "rank output")
+        self.history_html = W.HTML()
+
+    def _lay_out(self):
+        # controls beside the plots when the cell is wide, above them when it is narrow
+        # (a wrapping flex row); the plots fill the rest of the width in a grid (plots.py)
+        box = lambda items: W.Box(items, layout=W.Layout(  # noqa: E731
+            display="flex", flex_flow="row wrap", align_items="center"))
+        left = W.VBox([*self.controls.values(), box(self.block_toggles), self.planner.widget,
+                       box([self.run_button, self.stop_button]),
+                       self.progress, self.progress_label, self.smooth, self.estimate_html,
+                       self.torchrun_button, self.torchrun_text],
+                      layout=W.Layout(flex="0 1 400px", min_width="320px", overflow="hidden"))
+        right = W.Box([self.plots.widget],
+                      layout=W.Layout(flex="1 1 600px", min_width="0", overflow="hidden"))
+        main = W.Box([left, right], layout=W.Layout(display="flex", flex_flow="row wrap",
+                                                    align_items="flex-start", width="100%",
+                                                    grid_gap="8px"))
+        self.widget = W.VBox([self.banner, self.traceback, main, self._out_box,
+                              self.history_html], layout=W.Layout(width="100%"))
+        self.widget.add_class("ddpkit-lab")  # the browser test finds the lab by it
+
+    def set_running(self, on):
+        """Controls that cannot change mid-run are disabled meanwhile, with the reason."""
+        for name in FIXED_DURING_A_RUN:
+            w = self.controls[name]
+            w.disabled = on
+            w.tooltip = FIXED_TIP if on else ""
+        self.run_button.disabled = on
+        self.stop_button.disabled = not on
