@@ -47,12 +47,11 @@ class Measure:
 
     def left_out(self, make, *args):
         """``make(*args)``, its bytes left out of the peak (the dataset: on a GPU run it stays
-        in host memory)."""
-        before = self.peak.allocated() if self.peak else 0
-        out = make(*args)
-        if self.peak:
-            self.peak.leave_out(self.peak.allocated() - before)
-        return out
+        in host memory): what this thread allocates meanwhile (`PeakProbe.leaving_out`)."""
+        if not self.peak:
+            return make(*args)
+        with self.peak.leaving_out():
+            return make(*args)
 
     def begin(self, comm, first, timeline=None):
         self.comm, self.first, self.timeline = comm, first, timeline

@@ -314,6 +314,23 @@ class PeakProbe:
         return torch.cuda.memory_allocated() if self.cuda else cpu_allocated()
 
     @contextlib.contextmanager
+    def leaving_out(self):
+        """Leave out what this thread allocates inside the block, net of what it frees (the
+        dataset). On CPU that is read from the allocator's events of this thread, not from two
+        readings of the total: another thread may free a block meanwhile (gloo lets go of the
+        buffer of DDP's start-up broadcast a few ms after the constructor returns, on rank 0),
+        and a difference would take it off the dataset, leaving every reading of the run that
+        much high."""
+        if self.cuda:
+            before = self.allocated()
+            yield
+            self.leave_out(self.allocated() - before)
+            return
+        with _profile() as prof:
+            yield
+        self.leave_out(sum(e[1] for e in _allocations(prof)[0]))
+
+    @contextlib.contextmanager
     def phase(self, name):
         """One phase of the step (`train_step` calls it for each forward, backward, optimizer)."""
         if not self.cuda:

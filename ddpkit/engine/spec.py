@@ -191,8 +191,11 @@ def prepare_for_training(model):
     transformers' own checkpointing goes off (ddpkit's policy is the one that runs), and its KV
     cache too (generation only; under training it keeps every block's keys and values)."""
     notes = []
-    if own_checkpointing(model) and hasattr(model, "gradient_checkpointing_disable"):
-        model.gradient_checkpointing_disable()
+    # transformers 5's name, then the one before (which warns in 5 that it goes in v6)
+    off = getattr(model, "activation_checkpointing_disable", None) or \
+        getattr(model, "gradient_checkpointing_disable", None)
+    if own_checkpointing(model) and off is not None:
+        off()
         notes.append("the model's own gradient checkpointing was on: ddpkit turned it off and "
                      "runs TrainConfig.checkpoint instead")
     caching = _caching_configs(model)
