@@ -258,8 +258,8 @@ def estimate(cfg) -> Estimate:
     t = _traced(cfg)
     costs = [BlockCost(name, keeps, boundary, flops) for name, keeps, boundary, flops
              in zip(t.block_names, t.block_keeps, t.block_boundary, t.block_flops)]
-    return Estimate(params=t.param_bytes // shards, grads=t.param_bytes // shards,
-                    optimizer=optimizer_bytes(cfg, t.param_bytes // F32),
+    return Estimate(params=t.param_bytes // shards, grads=t.trainable_bytes // shards,
+                    optimizer=optimizer_bytes(cfg, t.trainable_bytes // F32),
                     activations=trace_activations(cfg), blocks=costs, method="traced",
                     activation_per_block=max(t.block_keeps), boundary=max(t.block_boundary),
                     config=cfg)
@@ -274,7 +274,7 @@ class _Traced:
 
         from ..engine.blocks import block_names, resolve_blocks
         from ..engine.data import first_batch, make_dataset
-        from ..engine.spec import build_model
+        from .fakeworld import fake_model
 
         self.cfg = cfg
         self.target = _target(cfg)  # a CUDA run: attention keeps what its CUDA kernel keeps
@@ -282,12 +282,15 @@ class _Traced:
         self.lock, self.memo = threading.RLock(), {}
         real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
         with self.mode, torch.random.fork_rng(devices=[]):
-            self.model = build_model(cfg)[0].train()
+            self.model = fake_model(cfg)
         self.batch = torch.utils._pytree.tree_map(
             lambda t: self.mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, real_batch)
         self.blocks = resolve_blocks(self.model, cfg.blocks_path)
         self.block_names = block_names(cfg.blocks_path, self.blocks)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # gradients and optimizer state exist for trainable parameters only (LoRA: adapters)
+        self.trainable_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()
+                                   if p.requires_grad)
         self._per_block()
 
     def forward_bytes(self, setting, probe=None):

@@ -188,3 +188,39 @@ class _FirstLayout:
 
     def _rebuild_buckets(self):
         return False
+
+
+def fake_model(cfg):
+    """``cfg``'s model built under the active FakeTensorMode (call it inside the mode).
+
+    Most factories run there as they are. peft's ``get_peft_model`` does not: it moves each
+    adapter to its base layer's device with ``.to()``, and torch swaps a FakeTensor parameter on
+    ``_apply`` (``torch.utils.swap_tensors``), which refuses a tensor with a weakref, as the
+    fake tensors of the mode have ("Cannot swap t1 because it has weakref associated with
+    it"). Such a model is built on the meta device instead (outside the mode) and each of its
+    parameters and buffers replaced by a fake CPU tensor of the same shape and dtype, shared
+    ones (tied weights) once: the same storages, so the same bytes."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ..engine.spec import build_model
+
+    try:
+        return build_model(cfg)[0].train()
+    except ValueError as exc:
+        if "swap" not in str(exc.__cause__ or exc):
+            raise
+    with unset_fake_temporarily(), torch.device("meta"):
+        model = build_model(cfg)[0].train()
+    made = {}
+
+    def fake(t, param):
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if param else new
+        return made[id(t)]
+    for module in model.modules():
+        for kind, param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(kind.items()):
+                if t is not None:
+                    kind[name] = fake(t, param)
+    return model

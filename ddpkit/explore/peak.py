@@ -43,9 +43,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..engine import memory, strategies
 from ..engine.memory import optimizer_tensors, storages
 from ..engine.probes import ActivationProbe
-from ..engine.spec import build_model
 from ..engine.step import train_step, zero_grad
-from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
+from .fakeworld import (fake_model, fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
                         watch_storage_resizes)
 
 _LOCK = threading.RLock()  # one fake world at a time (the Lab's threads)
@@ -157,7 +156,7 @@ def simulate(cfg, rank=0, steps=2):
     with _LOCK, fake_world(rank, cfg.world_size), torch.random.fork_rng(devices=[]), mode, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live):
-        model = build_model(cfg)[0].train()
+        model = fake_model(cfg)
         cfg.checkpoint_policy().apply(model, cfg.blocks_path)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
             mesh_ready = _premade_mesh(wrap_cfg, ctx)
