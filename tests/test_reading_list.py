@@ -4,6 +4,7 @@ import pytest
 
 import ddpkit
 from ddpkit.explore import zero
+from ddpkit.explore.units import byte_unit
 
 CPU = dict(backend="gloo", device="cpu")
 BASE = dict(model="mlp", n_blocks=4, width=64, micro_batch=4, optimizer="adamw", lr=1e-3,
@@ -29,6 +30,10 @@ def runs():
 
 def last_records(res):
     return [m for m in res.metrics if m["step"] == res.config.steps - 1]
+
+
+def rank0(res):
+    return next(m for m in last_records(res) if m["rank"] == 0)
 
 
 def max_diff(a, b):
@@ -79,7 +84,7 @@ def test_communication_volume_per_rank_per_step_follows_the_paper(runs, ws):
                 assert abs(m["comm_by_op"][op] - want) <= 0.01 * want, (strategy, op)
     zero2 = [m["comm_bytes"] for m in last_records(runs[ws, "zero2"])]
     assert all(abs(z - d) <= 0.01 * d for z, d in zip(zero2, ddp))
-    fsdp = last_records(runs[ws, "fsdp"])[0]["comm_bytes"]
+    fsdp = rank0(runs[ws, "fsdp"])["comm_bytes"]
     inside, root = zero.param_counts(runs[ws, "fsdp"].config)
     # 1.5x DDP's for the blocks (resharded after forward), 1x for the root's parameters
     assert abs(fsdp - ddp[0] * (1.5 * inside + root) / (inside + root)) <= 0.01 * fsdp
@@ -152,3 +157,28 @@ def test_bad_settings_name_the_setting_and_the_fix(kw, match):
 def test_comm_volume_refuses_what_its_rule_does_not_cover():
     with pytest.raises(ValueError, match="accum_steps=1 and comm_hook=None"):
         zero.comm_volume(cfg_of(2, "ddp", accum_steps=2))
+
+
+def test_comm_figure_stacks_each_collective_beside_the_rule(runs):
+    results = [runs[4, s] for s in ("ddp", "zero2", "fsdp", "hsdp")]
+    fig = ddpkit.comm_figure(results)
+    bars = {t.name: list(t.y) for t in fig.data if t.type == "bar"}
+    assert set(bars) == {"allreduce", "allgather", "reduce_scatter"}
+    rule = next(t for t in fig.data if t.type == "scatter")
+    unit, size = byte_unit(max(rank0(r)["comm_bytes"] for r in results))
+    assert fig.layout.yaxis.title.text == unit
+    for i, res in enumerate(results):  # each stack adds up to rank 0's bytes sent
+        sent = sum(b[i] for b in bars.values())
+        assert sent == pytest.approx(rank0(res)["comm_bytes"] / size, rel=1e-9)
+        assert rule.y[i] == pytest.approx(sent, rel=0.01)
+
+
+def test_powersgd_runs_with_the_timeline_and_accumulation():
+    cfg = cfg_of(2, "ddp", comm_hook="powersgd", powersgd_rank=2, accum_steps=2, steps=4,
+                 timeline_every=1)
+    res = ddpkit.train(cfg)
+    rows = res.timeline[res.timeline.kind == "allreduce"]
+    assert len(rows) and (res.overlap().comm_s > 0).all()
+    # no_sync: one synced micro-step a step, so PowerSGD's iteration count is the step's
+    for m in res.metrics:
+        assert m["allreduce_calls"] == 1 and m["comm_calls"] >= (3 if m["step"] >= 2 else 1)
