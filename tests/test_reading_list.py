@@ -182,3 +182,12 @@ def test_powersgd_runs_with_the_timeline_and_accumulation():
     # no_sync: one synced micro-step a step, so PowerSGD's iteration count is the step's
     for m in res.metrics:
         assert m["allreduce_calls"] == 1 and m["comm_calls"] >= (3 if m["step"] >= 2 else 1)
+
+
+def test_hsdp_saves_its_shards_and_resumes_exactly(tmp_path):
+    cfg = cfg_of(4, "hsdp", width=32, shard_size=2)
+    with ddpkit.Pool(world_size=4, **CPU) as pool:
+        straight = ddpkit.train(cfg.replace(steps=4), pool=pool)
+        ddpkit.train(cfg.replace(steps=2, save_every=2, save_dir=str(tmp_path)), pool=pool)
+        resumed = ddpkit.train(cfg.replace(steps=4), resume_from=str(tmp_path), pool=pool)
+    assert max_diff(resumed.state_dict, straight.state_dict) == 0.0
