@@ -37,7 +37,7 @@ def _estimate_seconds(cfg):
     sliders call it."""
     import importlib
 
-    importlib.import_module("ddpkit.explore.estimate")._TRACES.clear()  # the module, not the function
+    importlib.import_module("ddpkit.explore.trace")._TRACES.clear()  # the module, not the function
     t0 = time.perf_counter()
     ddpkit.estimate(cfg)
     return time.perf_counter() - t0

@@ -10,10 +10,12 @@ The independent reading: each rank runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (g
 serves every block of 64 KiB or more with its own mapping and returns it to the system when it
 is freed, so resident memory follows the live bytes), resets its high-water mark
 (``/proc/self/clear_refs``) at each step's record and reads it at the next: the step's highest
-resident memory, less what was resident but not in torch's count at the record before (the
-interpreter, libraries, small blocks), is a peak measured by the operating system.
+resident memory less the resident memory at its start is the step's rise seen by the operating
+system, set beside the probe's (its peak less the bytes live when the step began). Step 2: at
+steps 0 and 1 blocks made in the step (Adam's moments, DDP's rebuilt buckets) get their pages
+only as they are written, so resident memory lags behind them.
 
-    python -m bench.peak            # ~25 minutes on 2 cores; --quick: 4 rows
+    python -m bench.peak            # ~30 minutes on 2 idle cores; --quick: 4 rows
 """
 import os
 import sys
@@ -91,26 +93,20 @@ def _status(key):
 
 def watched_train(ctx, cfg):
     """`train_rank`, with each record also carrying the operating system's view of the step
-    before it: the resident high-water mark since the last record, and what was resident
-    beyond torch's count then."""
+    before it: the resident memory at the previous record (a step boundary) and its
+    high-water mark since."""
     from ddpkit.engine.loop import train_rank
-    from ddpkit.engine.memory import cpu_allocated
 
-    log, state = ctx.log, {}
-
-    def reset():
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # the high-water mark starts again from now
-        state["outside"] = _status("VmRSS") - cpu_allocated()
+    log, start = ctx.log, [0]
 
     def with_rss(**record):
-        if "outside" in state and "peak_bytes" in record:
-            record["rss_peak_bytes"] = _status("VmHWM") - state["outside"]
-        log(**record)
-        reset()
+        log(rss_start=start[0], rss_high=_status("VmHWM"), **record)
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # the high-water mark starts again from now
+        start[0] = _status("VmRSS")
 
     ctx.log = with_rss
-    reset()
+    start[0] = _status("VmRSS")
     return train_rank(ctx, cfg)
 
 
@@ -132,11 +128,10 @@ def measure(name, cfg):
         err = (p.bytes - m["peak_bytes"]) / m["peak_bytes"]
         worst = err if abs(err) > abs(worst) else worst
         phases &= p.phase == m["peak_phase"]
-        # step 1: c10's count is on from the start to then (step 0's blocks are touched as
-        # they are made, so its resident memory lags)
-        if "rss_peak_bytes" in m and m["step"] == 1 and cfg.device != "cuda":
-            # the OS sees the dataset too, which the probe leaves out
-            rss_err = (m["rss_peak_bytes"] - m["data_bytes"] - m["peak_bytes"]) / m["peak_bytes"]
+        if m["step"] >= 2 and cfg.device != "cuda":  # steps 0, 1 touch new blocks' pages late
+            # the step's rise above the bytes live at its start, seen by the OS and by torch
+            rss_err = ((m["rss_high"] - m["rss_start"]) - (m["peak_bytes"] - m["peak_base"])) \
+                / m["peak_bytes"]
             rss_worst = rss_err if abs(rss_err) > abs(rss_worst) else rss_worst
     top = max(res.metrics, key=lambda m: m.get("peak_bytes", 0))
     print(f"{name}: worst {100 * worst:+.3f}%, phases {'agree' if phases else 'DIFFER'}, "
@@ -169,8 +164,8 @@ def main(argv=None):
             f"per rank); *made of*: its ledger (MiB, kinds above 1 MiB); *worst error*: the "
             f"largest (predicted - measured) / measured over every rank and step; *phase*: "
             f"the predicted phase equals the measured one at every rank and step; *RSS*: the "
-            f"same peak read from each rank's resident memory (step 1), as (RSS - "
-            f"measured) / measured; *predict s*: the cold simulation of both ranks and steps.\n\n"
+            f"step's rise above the bytes live at its start, read from each rank's resident "
+            f"memory (step 2), as (RSS rise - measured rise) / measured peak; *predict s*: the cold simulation of both ranks and steps.\n\n"
             + table(["row", "peak MiB", "phase", "made of (MiB)", "worst error", "phase agrees",
                      "RSS", "predict s"], out)
             + f"\n\nEvery row within 3% with the phase agreeing: {'yes' if ok else 'NO'}.\n")

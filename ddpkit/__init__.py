@@ -9,14 +9,14 @@ engine) and ``rank/`` (inside a rank process) ← ``config`` (built on the engin
 Light at import: rank processes import this package too, so the notebook-only parts
 (widgets, plots) and the pitfall runners load on first use.
 """
-from .errors import RankError, RankStalled
+from .errors import RankError, RankStalled, TraceError
 from .runtime.handle import RunHandle, RunResult
 from .runtime.launch import launch
 from .runtime.pool import Pool
 from .config import TrainConfig
 from .explore.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import
-from .explore.plan import plan
+from .explore.plan import fits, largest_micro_batch, plan
 from .engine.policies import CheckpointSetting
 from .rank.context import Context
 from .explore.api import TrainResult, sweep, train
@@ -37,5 +37,5 @@ def __getattr__(name):
 
 
 __all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError", "RankStalled", "RunHandle",
-           "RunResult", "TrainConfig", "TrainResult", "doctor", "estimate", "launch", "plan",
+           "RunResult", "TraceError", "TrainConfig", "TrainResult", "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan",
            "sweep", "train"]

@@ -116,7 +116,7 @@ class Progress:
         from tqdm import tqdm
 
         self.verbose, self.mem, self.started = verbose, None, False
-        self.n_blocks = cfg.n_blocks
+        self.cfg = cfg
         self.bar = tqdm(total=cfg.steps, desc="starting ranks", unit="step", file=sys.stderr,
                         dynamic_ncols=True)
 
@@ -140,7 +140,7 @@ class Progress:
             from .rank.context import format_record
 
             if "checkpoint" in record:  # the setting's one text form, as the CLI takes it
-                text = str(CheckpointSetting.of(record["checkpoint"], self.n_blocks))
+                text = str(self.cfg.setting(record["checkpoint"]))
                 record = {**record, "checkpoint": text}
             self.bar.write(format_record(record), file=sys.stdout)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .devices import check_bf16, local_world_size, resolve_devices, under_torchrun
 from .engine import spec
+from .engine.blocks import paths_of
 from .engine.models import build_builtin
 from .engine.policies import CheckpointSetting
 from .engine.strategies import COMM_HOOKS, STRATEGIES, is_fsdp, strategy_problem
@@ -37,9 +38,11 @@ class TrainConfig:
     loss: object = None
     """``loss(model, batch) -> scalar``, or an import path. None: a dict batch calls
     ``model(**batch).loss`` (transformers); a tuple batch calls ``model(*batch)``."""
-    blocks: str | None = None
-    """Dotted path of the container of repeated blocks that checkpointing and FSDP act on
-    ('transformer.h'); None finds the longest nn.ModuleList/nn.Sequential of one block class."""
+    blocks: object = None
+    """Where the repeated blocks are that checkpointing and FSDP act on: the dotted path of their
+    container ('transformer.h'), or several (['encoder.block', 'decoder.block'], or
+    'encoder.block,decoder.block'); None finds every stack (each nn.ModuleList/nn.Sequential of
+    blocks of one class that is not inside another; `cfg.info` lists them)."""
     n_blocks: int = 4
     """Number of identical blocks of a built-in model; for your own model it is read from the
     model (built once on the meta device, no memory used)."""
@@ -154,7 +157,7 @@ class TrainConfig:
         self._check_saving_and_probes()
         self._check_timeline()
         # one value type checks it; the config keeps the plain value (a list, not a tuple)
-        self.checkpoint = CheckpointSetting.of(self.checkpoint, self.n_blocks).plain
+        self.checkpoint = self.setting(self.checkpoint).plain
         self._check_devices()
 
     def _bad(self, name, why, fix):
@@ -264,6 +267,7 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.blocks={self.blocks!r}: the built-in models keep "
                                  f"their blocks in 'blocks'; pass blocks=None")
             return
+        self._check_blocks()
         if not callable(self.model) and not isinstance(self.model, str):
             raise ValueError(f"TrainConfig.model={self.model!r}: pass 'mlp', 'gpt', a callable "
                              f"returning an nn.Module, or an import path 'package.module:make_model'")
@@ -275,6 +279,22 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.data=None: {info.name} is not a Hugging Face causal "
                              f"LM, so ddpkit cannot make its data; pass data=make_data, a function "
                              f"(cfg) -> torch.utils.data.Dataset")
+
+    def _check_blocks(self):
+        """One path stays a string; several become a tuple of paths (hashable, plain data)."""
+        if self.blocks is None:
+            return
+        if isinstance(self.blocks, (list, tuple)) and all(isinstance(b, str) for b in self.blocks):
+            paths = tuple(self.blocks)
+        elif isinstance(self.blocks, str):
+            paths = paths_of(self.blocks)
+        else:
+            paths = ()
+        if not paths:
+            self._bad("blocks", "names no container of blocks",
+                      "pass a dotted path ('transformer.h'), a list of them (['encoder.block', "
+                      "'decoder.block']), or None to find every stack")
+        self.blocks = paths[0] if len(paths) == 1 else paths
 
     @property
     def builtin(self):
@@ -291,8 +311,20 @@ class TrainConfig:
 
     @property
     def blocks_path(self):
-        """Where the blocks are: 'blocks' in the built-in models, else the given or found path."""
+        """Where the blocks are, as ``blocks=`` names them: 'blocks' in the built-in models, else
+        the given or found path, or a tuple of paths where the model has several stacks."""
         return "blocks" if self.builtin else self.info.blocks
+
+    @property
+    def stack_sizes(self):
+        """The blocks of each stack, in order; () for one stack."""
+        sizes = () if self.builtin else self.info.stack_sizes
+        return sizes if len(sizes) > 1 else ()
+
+    def setting(self, value):
+        """The `CheckpointSetting` of a plain value (None, an int, 'full', a list) on this
+        config's blocks and stacks."""
+        return CheckpointSetting.of(value, self.n_blocks, self.stack_sizes)
 
     @property
     def loss_fn(self):
@@ -302,7 +334,7 @@ class TrainConfig:
     @property
     def checkpointing(self):
         """The checkpoint setting as its value type (`CheckpointSetting`)."""
-        return CheckpointSetting.of(self.checkpoint, self.n_blocks)
+        return self.setting(self.checkpoint)
 
     def checkpoint_policy(self, setting=None):
         """The `CheckpointPolicy` of ``setting`` (a `CheckpointSetting`; this config's when not
@@ -374,6 +406,8 @@ class TrainConfig:
                 args += [flag, str(value).lower()]
             elif isinstance(value, bool):
                 args.append(flag if value else "--no-" + name.replace("_", "-"))
+            elif name == "blocks":  # several stacks: one comma list
+                args += [flag, value if isinstance(value, str) else ",".join(value)]
             elif name == "checkpoint":  # the setting's one text form
                 args += [flag, str(self.checkpointing)]
             else:
@@ -396,54 +430,9 @@ class TrainConfig:
         meet through torchrun's c10d rendezvous on the allocation's first node at ``port``.
         ``setup``: shell lines run first (``"source .venv/bin/activate"``, ``module load``...);
         ``json``: where global rank 0 writes the run's records (None: nowhere)."""
-        return _sbatch_script(self.to_cli(), nodes, gpus_per_node, nproc_per_node=nproc_per_node,
-                             time=time, partition=partition, account=account,
-                             job_name=job_name, port=port, setup=setup, json=json)
+        from .slurm import sbatch_script
 
+        return sbatch_script(self.to_cli(), nodes, gpus_per_node, nproc_per_node=nproc_per_node,
+                            time=time, partition=partition, account=account,
+                            job_name=job_name, port=port, setup=setup, json=json)
 
-def _sbatch_script(cli, nodes, gpus_per_node, nproc_per_node, time, partition, account, job_name,
-                   port, setup, json):
-    """`TrainConfig.to_slurm`'s script; each argument checked, naming the fix."""
-    def bad(name, value, fix):
-        raise ValueError(f"to_slurm({name}={value!r}): {fix}")
-
-    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "nodes"):
-            bad(name, value, f"pass a whole number{' >= 1' if name == 'nodes' else ' (0: CPU nodes)'}")
-    if nproc_per_node is None:
-        if gpus_per_node == 0:
-            bad("nproc_per_node", None, "CPU nodes (gpus_per_node=0) need the ranks per node: "
-                                        "pass nproc_per_node=2 or more")
-        nproc_per_node = gpus_per_node
-    elif isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or \
-            nproc_per_node < 1 or (gpus_per_node and nproc_per_node > gpus_per_node):
-        bad("nproc_per_node", nproc_per_node, "pass 1 or more ranks per node, at most "
-                                              "gpus_per_node (NCCL runs one process per GPU)")
-    if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535:
-        bad("port", port, "pass a free TCP port in 1024..65535 on the first node")
-    for name, value in (("time", time), ("partition", partition), ("account", account),
-                        ("job_name", job_name)):
-        if value is not None and (not isinstance(value, str) or not value
-                                  or any(c.isspace() or c in "'\"$`\\" for c in value)):
-            bad(name, value, "an #SBATCH value takes no spaces or quotes: pass e.g. "
-                             "time='02:00:00', partition='gpu', job_name='ddpkit-gpt'")
-    import shlex
-
-    lines = ["#!/bin/bash",
-             f"# ddpkit train on {nodes} node(s) x {nproc_per_node} rank(s): "
-             f"{nodes * nproc_per_node} ranks. Made by TrainConfig.to_slurm(); submit: sbatch <file>",
-             f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
-             "#SBATCH --ntasks-per-node=1",  # one torchrun per node; it starts the node's ranks
-             f"#SBATCH --time={time}", f"#SBATCH --output={job_name}-%j.out"]
-    if gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
-    lines += [f"#SBATCH --{k}={v}" for k, v in (("partition", partition), ("account", account)) if v]
-    # the set-up first: `module load` and some activate scripts read unset variables
-    lines += [*([setup] if setup else []), "set -euo pipefail",
-              "# torchrun's c10d rendezvous listens on the allocation's first node",
-              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
-    train = " ".join(shlex.quote(a) for a in cli) + (f' --json "{json}"' if json else "")
-    lines.append(f'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {nproc_per_node} '
-                 f'--rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head:{port}" '
-                 f"\\\n    -m ddpkit train {train}".rstrip())
-    return "\n".join(lines) + "\n"

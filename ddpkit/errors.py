@@ -1,4 +1,4 @@
-"""Errors a run can end with. Both carry what a person needs to find the fault."""
+"""Errors a run, or a prediction, can end with. Each carries what a person needs to find the fault."""
 
 
 class RankError(RuntimeError):
@@ -43,3 +43,17 @@ class RankStalled(RuntimeError):
 
     def __reduce__(self):
         return (RankStalled, (self.ranks, self.last_steps, self.timeout_s, self.starting))
+
+
+class TraceError(ValueError):
+    """The model could not be built or run on fake tensors (the estimate, the simulated step).
+    ``stage``: 'building the model', 'installing the checkpoint policy', 'the forward' or 'the
+    step'; ``op``: the aten op a fake tensor could not run, where one is known. The message says
+    what the user can do."""
+
+    def __init__(self, message, stage=None, op=None):
+        super().__init__(message)
+        self.stage, self.op = stage, op
+
+    def __reduce__(self):
+        return (TraceError, (str(self), self.stage, self.op))

@@ -25,3 +25,19 @@ def no_leftover_processes():
             pass
     if details:
         pytest.fail("processes left behind: " + "; ".join(details))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (the whole breadth list of "
+                          "tests/test_breadth.py; python -m bench.breadth runs it too)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run with --slow (or -m slow); otherwise they are skipped, saying so."""
+    if config.getoption("--slow") or "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="marked slow: run with --slow (or python -m bench.breadth)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -19,14 +19,15 @@ ROOT = Path(ddpkit.__file__).parent
 # inside a rank (rank/) and the training engine (engine/), which know nothing of each other; the
 # config (built on the engine's vocabulary) and the kernel-side runtime (which knows nothing of
 # models); the pitfalls and doctor; the exploring API; the command line and the package root.
-LEAVES = {"errors", "devices", "shipping"}
+LEAVES = {"errors", "devices", "shipping", "slurm"}
 ALLOWED = {
     "errors": set(),
     "devices": set(),
     "shipping": set(),
+    "slurm": set(),
     "engine": {"devices", "errors"},
     "rank": {"devices", "errors", "shipping"},
-    "config": {"engine", "devices"},
+    "config": {"engine", "devices", "slurm"},
     "runtime": {"rank", "devices", "errors", "shipping"},
     "pitfalls": {"engine", "config", "runtime", "rank", *LEAVES},
     "explore": {"engine", "config", "runtime", "rank", "pitfalls", *LEAVES},

@@ -181,8 +181,13 @@ def raising():
     raise RuntimeError("no weights here")
 
 
+def sized(width):
+    return fm.Net(width)
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(model=raising, data=fm.make_data), r"TrainConfig.model=raising raised RuntimeError: no weights here; the factory must build"),
+    (dict(model=raising, data=fm.make_data), r"TrainConfig.model=raising raised RuntimeError while building the model: no weights here$"),
+    (dict(model=sized, data=fm.make_data), r"TrainConfig.model=sized cannot be called with no arguments \(missing a required argument: 'width'\); the factory must build the model with no arguments"),
     (dict(model=lambda: 3, data=fm.make_data), r"returned a int, not an nn.Module; return the model"),
     (dict(model=NoBlocks, data=fm.make_data), r"TrainConfig.blocks=None: found no repeated blocks in NoBlocks"),
     (dict(model=fm.make_model, data=fm.make_data, blocks="body.nope"), r"TrainConfig.blocks='body.nope': Net has no submodule there; pass one of \['body'"),

@@ -12,7 +12,6 @@ import torch
 from . import saving, strategies
 from .data import RankBatches, make_dataset
 from .measure import Measure
-from .policies import CheckpointSetting
 from .spec import build_model
 from .step import train_step, zero_grad
 from .timeline import TimelineProbe
@@ -39,7 +38,7 @@ class LiveSettings:
         returns the names of those that changed."""
         changed = []
         if "checkpoint" in sent:
-            setting = CheckpointSetting.of(sent["checkpoint"], self.cfg.n_blocks)
+            setting = self.cfg.setting(sent["checkpoint"])
             if setting != self.checkpoint:
                 self.checkpoint = setting
                 self._install()
@@ -92,7 +91,8 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         skip_sync = cfg.no_sync and not (cfg.static_graph and step == 0)
         with measure.step(step, changed, model, optimizer) as acts:
             loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
-                              precision=cfg.precision, device=ctx.device, scaler=scaler,
+                              precision=strategies.autocast_precision(cfg), device=ctx.device,
+                              scaler=scaler,
                               activation_probe=acts, inner=model, scheduler=scheduler,
                               loss_fn=cfg.loss_fn, phase=measure.phase)
         record = dict(step=step, loss=loss, step_time_s=measure.seconds,

@@ -51,12 +51,11 @@ class Measure:
 
     def left_out(self, make, *args):
         """``make(*args)``, its bytes left out of the peak (the dataset: on a GPU run it stays
-        in host memory)."""
-        before = self.peak.allocated() if self.peak else 0
-        out = make(*args)
-        if self.peak:
-            self.peak.leave_out(self.peak.allocated() - before)
-        return out
+        in host memory): what this thread allocates meanwhile (`PeakProbe.leaving_out`)."""
+        if not self.peak:
+            return make(*args)
+        with self.peak.leaving_out():
+            return make(*args)
 
     def begin(self, comm, first, timeline=None):
         self.comm, self.first, self.timeline = comm, first, timeline
@@ -123,7 +122,8 @@ class Measure:
         if self._peak and self.peak.peak is not None:
             p = self.peak.peak
             out.update(peak_bytes=p.bytes, peak_phase=p.phase, peak_ledger=p.ledger,
-                       peak_by_phase=p.by_phase, data_bytes=self.peak.data_bytes)
+                       peak_by_phase=p.by_phase, peak_base=p.base,
+                       data_bytes=self.peak.data_bytes)
         if self.comm is not None:
             out.update(allreduce_calls=self.comm.calls, allreduce_bytes=self.comm.bytes)
         if self.collectives is not None:

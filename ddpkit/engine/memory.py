@@ -70,6 +70,9 @@ class Peak:
     by_phase: dict = field(default_factory=dict)
     exact_ledger: bool = True
     """False on CUDA without a memory snapshot: the ledger is a census at the phase's end."""
+    base: int = 0
+    """Bytes live when the step began (a step boundary: parameters, optimizer state, DDP's
+    buckets); the step's own rise is ``bytes - base``."""
 
     def __post_init__(self):
         self.ledger = {k: int(self.ledger.get(k, 0)) for k in KINDS}
@@ -101,54 +104,65 @@ def phase_of(by_phase):
 
 
 # ----------------------------------------------------------------------------- the ledger
-def ledger_at(events, at, base, census, seen):
-    """Bytes by kind at event index ``at``.
+class Ledger:
+    """Bytes by kind at any event of a step (`at`).
 
     ``events``: allocator events in time order, each ``(size, key, fsdp)`` (size < 0 frees the
     block at ``key``; ``fsdp``: allocated inside FSDP's collectives). ``base``: bytes live
     before the first event (what the job had before the step, less what it leaves out).
     ``census``: kind -> {key: bytes} of blocks live before the step, known by kind.
     ``seen``: (kind, key, index) observations: the block at ``key`` live at event ``index`` is
-    of that kind (``len(events)``: after the last event). Keys are allocation addresses (a rank) or StorageImpl ids (a simulation).
+    of that kind (``len(events)``: after the last event). Keys are allocation addresses (a
+    rank) or StorageImpl ids (a simulation).
     """
-    blocks, live, pre_freed = [], {}, []
-    for i, (size, key, fsdp) in enumerate(events):
-        if size > 0:
-            live[key] = len(blocks)
-            blocks.append([i, len(events) + 1, size, key, fsdp])  # alive past the end
-        else:
-            j = live.pop(key, None)
-            if j is None:
-                pre_freed.append((i, -size, key))  # a block from before the step
+
+    def __init__(self, events, base, census, seen):
+        census = _pre_step(events, census)
+        self.blocks, live, self.pre_freed = [], {}, []
+        for i, (size, key, fsdp) in enumerate(events):
+            if size > 0:
+                live[key] = len(self.blocks)
+                self.blocks.append([i, len(events) + 1, size, key, fsdp])  # alive past the end
             else:
-                blocks[j][1] = i
-    by_key = {}
-    for b in blocks:
-        by_key.setdefault(b[3], []).append(b)
-    kind_of = {}
-    for kind, key, index in seen:
-        for b in by_key.get(key, ()):
+                j = live.pop(key, None)
+                if j is None:
+                    self.pre_freed.append((i, -size, key))  # a block from before the step
+                else:
+                    self.blocks[j][1] = i
+        by_key = {}
+        for b in self.blocks:
+            by_key.setdefault(b[3], []).append(b)
+        self.kind_of = {}
+        for kind, key, index in seen:
+            for b in by_key.get(key, ()):
+                if b[0] <= index < b[1]:
+                    old = self.kind_of.get(id(b))
+                    if old is None or _PRIORITY.index(kind) < _PRIORITY.index(old):
+                        self.kind_of[id(b)] = kind
+        # before the step: the known kinds, the rest "other"
+        self.before, self.pre_kind = dict.fromkeys(KINDS, 0), {}
+        for kind in _PRIORITY:
+            for key, size in census.get(kind, {}).items():
+                if key not in self.pre_kind:
+                    self.pre_kind[key] = kind
+                    self.before[kind] += size
+        self.before["other"] = base - sum(self.before.values())
+
+    def at(self, index):
+        out = dict(self.before)
+        for i, size, key in self.pre_freed:  # what the step freed of them up to `index`
+            if i <= index:
+                out[self.pre_kind.get(key, "other")] -= size
+        for b in self.blocks:
             if b[0] <= index < b[1]:
-                old = kind_of.get(id(b))
-                if old is None or _PRIORITY.index(kind) < _PRIORITY.index(old):
-                    kind_of[id(b)] = kind
-    out = dict.fromkeys(KINDS, 0)
-    # before the step: the known kinds, less what the step freed of them up to `at`
-    pre_kind = {}
-    for kind in _PRIORITY:
-        for key, size in census.get(kind, {}).items():
-            if key not in pre_kind:
-                pre_kind[key] = kind
-                out[kind] += size
-    out["other"] = base - sum(out.values())
-    for i, size, key in pre_freed:
-        if i <= at:
-            out[pre_kind.get(key, "other")] -= size
-    for b in blocks:
-        if b[0] <= at < b[1]:
-            kind = kind_of.get(id(b)) or ("fsdp_buffers" if b[4] else "temporaries")
-            out[kind] += b[2]
-    return out
+                kind = self.kind_of.get(id(b)) or ("fsdp_buffers" if b[4] else "temporaries")
+                out[kind] += b[2]
+        return out
+
+
+def ledger_at(events, at, base, census, seen):
+    """`Ledger` of the events, at event ``at``."""
+    return Ledger(events, base, census, seen).at(at)
 
 
 def summarize(events, totals, base, census, seen):
@@ -170,11 +184,11 @@ def summarize(events, totals, base, census, seen):
     if at is None:
         return None
     compact = [e[:3] for e in events]
-    ledger = ledger_at(compact, at, base, _pre_step(compact, census), seen)
+    ledger = ledger_at(compact, at, base, census, seen)
     # blocks of threads the events do not see (gloo's) move the total without an event
     ledger["other"] += totals[at] - sum(ledger.values())
     return Peak(totals[at], phase_of(by_phase), ledger,
-                {p: by_phase[p] for p in PHASES if p in by_phase})
+                {p: by_phase[p] for p in PHASES if p in by_phase}, base=base)
 
 
 # ----------------------------------------------------------------------------- CPU accounting
@@ -298,6 +312,23 @@ class PeakProbe:
 
     def allocated(self):
         return torch.cuda.memory_allocated() if self.cuda else cpu_allocated()
+
+    @contextlib.contextmanager
+    def leaving_out(self):
+        """Leave out what this thread allocates inside the block, net of what it frees (the
+        dataset). On CPU that is read from the allocator's events of this thread, not from two
+        readings of the total: another thread may free a block meanwhile (gloo lets go of the
+        buffer of DDP's start-up broadcast a few ms after the constructor returns, on rank 0),
+        and a difference would take it off the dataset, leaving every reading of the run that
+        much high."""
+        if self.cuda:
+            before = self.allocated()
+            yield
+            self.leave_out(self.allocated() - before)
+            return
+        with _profile() as prof:
+            yield
+        self.leave_out(sum(e[1] for e in _allocations(prof)[0]))
 
     @contextlib.contextmanager
     def phase(self, name):

@@ -6,11 +6,14 @@ block count, lays the blocks out in *segments* (runs of consecutive blocks, each
 checkpointed or plain), has one text form (``str(setting)``: what the CLI takes and `parse`
 reads back) and one label a person reads (`label`). Config and records hold its plain value.
 
-* ``None``: one plain segment.
-* ``s`` (int): as ``torch.utils.checkpoint.checkpoint_sequential(segments=s)`` counts them:
-  s segments of ``n // s`` blocks, the last one taking the rest, and **the last segment is never
-  checkpointed** (its activations are needed at once by backward). So ``s=1`` checkpoints nothing
-  and ``s=n`` checkpoints every block but the last.
+Blocks are counted over all the model's stacks in order (`blocks.find_stacks`: T5's 4 encoder
+blocks, then its 4 decoder blocks, are blocks 0-7), and no segment crosses a stack:
+
+* ``None``: one plain segment per stack.
+* ``s`` (int): as ``torch.utils.checkpoint.checkpoint_sequential(segments=s)`` counts them, in
+  each stack: s segments of ``n // s`` blocks, the last one taking the rest, and **the last
+  segment is never checkpointed** (its activations are needed at once by backward). So ``s=1``
+  checkpoints nothing and ``s=n`` checkpoints every block but the last of each stack.
 * ``"full"``: every block is its own checkpointed segment (the last one too).
 * a list of booleans (selective): block i is checkpointed on its own where the list says True.
 
@@ -46,23 +49,30 @@ from .regions import LoopRegions
 @dataclass(frozen=True)
 class CheckpointSetting:
     """A checkpoint setting checked against a block count. ``value`` is what people write:
-    None, an int (segments), 'full', or a tuple of booleans (one per block)."""
+    None, an int (segments), 'full', or a tuple of booleans (one per block). ``stacks``: the
+    blocks of each stack, in order, where the model has several (T5's encoder and decoder:
+    ``(4, 4)``); ``()`` is one stack of ``n_blocks``. Segments never cross a stack: an int
+    setting makes its segments in each stack, as ``checkpoint_sequential`` would run each."""
     value: object
     n_blocks: int
+    stacks: tuple = ()
 
     def __post_init__(self):
         v, n = self.value, self.n_blocks
         if isinstance(v, list):
             object.__setattr__(self, "value", v := tuple(v))
+        stacks = tuple(self.stacks or ())
+        if sum(stacks) not in (0, n) or any(not isinstance(k, int) or k < 1 for k in stacks):
+            raise ValueError(f"CheckpointSetting: stacks={stacks} must be positive block counts "
+                             f"adding up to n_blocks={n}")
+        object.__setattr__(self, "stacks", stacks if len(stacks) > 1 else ())
         if v is None or v == "full":
             return
         if isinstance(v, bool):
             raise ValueError(f"TrainConfig.checkpoint={v!r}: ambiguous; pass 'full', None, "
                              f"a segment count, or a list of {n} booleans")
         if isinstance(v, int):
-            if not 1 <= v <= n:
-                raise ValueError(f"TrainConfig.checkpoint={v}: segments must be between 1 and "
-                                 f"n_blocks={n}; pass checkpoint<={n}, 'full', or None")
+            self._check_segments(v)
             return
         if isinstance(v, tuple):
             if len(v) != n or not all(isinstance(b, bool) for b in v):
@@ -72,18 +82,43 @@ class CheckpointSetting:
         raise ValueError(f"TrainConfig.checkpoint={v!r}: pass None, an int (segments), 'full', "
                          f"or a list of {n} booleans")
 
-    @classmethod
-    def of(cls, value, n_blocks):
-        """A setting from its plain value (or a setting, re-checked for ``n_blocks``)."""
-        if isinstance(value, cls):
-            return value if value.n_blocks == n_blocks else cls(value.value, n_blocks)
-        return cls(value, n_blocks)
+    def _check_segments(self, v):
+        n = self.n_blocks
+        if not self.stacks:
+            if not 1 <= v <= n:
+                raise ValueError(f"TrainConfig.checkpoint={v}: segments must be between 1 and "
+                                 f"n_blocks={n}; pass checkpoint<={n}, 'full', or None")
+            return
+        shortest = min(self.stacks)
+        if not 1 <= v <= shortest:
+            raise ValueError(f"TrainConfig.checkpoint={v}: segments are made in each of the "
+                             f"model's {len(self.stacks)} stacks (as checkpoint_sequential runs "
+                             f"each), and the shortest has {shortest} blocks; pass "
+                             f"checkpoint<={shortest}, 'full', None, or a list of {n} booleans")
 
     @classmethod
-    def from_mask(cls, mask):
+    def of(cls, value, n_blocks, stacks=()):
+        """A setting from its plain value (or a setting, re-checked for ``n_blocks`` and
+        ``stacks``)."""
+        if isinstance(value, cls):
+            same = value.n_blocks == n_blocks and value.stacks == cls(None, n_blocks, stacks).stacks
+            return value if same else cls(value.value, n_blocks, stacks)
+        return cls(value, n_blocks, stacks)
+
+    @classmethod
+    def from_mask(cls, mask, stacks=()):
         """A selective setting from one boolean per block (all False is None)."""
         mask = tuple(bool(b) for b in mask)
-        return cls(mask if any(mask) else None, len(mask))
+        return cls(mask if any(mask) else None, len(mask), stacks)
+
+    @property
+    def spans(self):
+        """[(start, stop), ...]: each stack's blocks, counted over all stacks in order."""
+        out, start = [], 0
+        for k in self.stacks or (self.n_blocks,):
+            out.append((start, start + k))
+            start += k
+        return out
 
     @staticmethod
     def parse(text):
@@ -110,17 +145,21 @@ class CheckpointSetting:
 
     @property
     def segments(self):
-        """[(start, stop, checkpointed), ...] covering range(n_blocks)."""
-        v, n = self.value, self.n_blocks
-        if v is None:
-            return [(0, n, False)]
+        """[(start, stop, checkpointed), ...] covering range(n_blocks), none crossing a stack."""
+        v = self.value
         if v == "full":
-            return [(i, i + 1, True) for i in range(n)]
-        if isinstance(v, int):
-            size = n // v
-            segs = [(i * size, (i + 1) * size, True) for i in range(v - 1)]
-            return segs + [((v - 1) * size, n, False)]
-        return [(i, i + 1, on) for i, on in enumerate(v)]
+            return [(i, i + 1, True) for i in range(self.n_blocks)]
+        if isinstance(v, tuple):
+            return [(i, i + 1, on) for i, on in enumerate(v)]
+        out = []
+        for a, b in self.spans:
+            if v is None:
+                out.append((a, b, False))
+                continue
+            size = (b - a) // v  # as checkpoint_sequential lays out one stack
+            out += [(a + i * size, a + (i + 1) * size, True) for i in range(v - 1)]
+            out.append((a + (v - 1) * size, b, False))
+        return out
 
     @property
     def regions(self):
@@ -144,7 +183,7 @@ class CheckpointSetting:
         if v == "full" or (isinstance(v, tuple) and all(v)):
             return "every block"
         if isinstance(v, int):
-            return f"{v} segments"
+            return f"{v} segments" + (" per stack" if self.stacks else "")
         on = [i for i, b in enumerate(mask) if b]
         return ("block " if len(on) == 1 else "blocks ") + _indices_text(on, self.n_blocks)
 
@@ -251,7 +290,13 @@ class CheckpointPolicy:
             return self._region(inner, args, kwargs, name)
         return forward
 
-    def _sequence_forward(self, seq):
+    def _sequence_forward(self, seq, offset):
+        """The forward of a stack kept in an ``nn.Sequential`` the model calls as a whole: its
+        segments (``offset``: its first block's index over all stacks), as
+        ``checkpoint_sequential`` runs them."""
+        segments = [(a - offset, b - offset, on) for a, b, on in self.segments
+                    if offset <= a < offset + len(seq)]
+
         def run(start, stop, h):
             self._in_region = True
             try:
@@ -263,7 +308,7 @@ class CheckpointPolicy:
 
         def forward(h):
             self.ran.add("sequential")
-            for start, stop, on in self.segments:
+            for start, stop, on in segments:
                 if on:
                     h = self._region(functools.partial(run, start, stop), (h,), {},
                                      _blocks_text(start, stop))
@@ -275,30 +320,44 @@ class CheckpointPolicy:
 
     # --- installing
     def apply(self, model, blocks=None):
-        """Install on ``model`` (the plain module, not a DDP wrapper). ``blocks``: the block
-        container, or a dotted path to it; found with `find_blocks` when not given."""
-        from .blocks import find_blocks, resolve_blocks
+        """Install on ``model`` (the plain module, not a DDP wrapper). ``blocks``: where its
+        stacks of blocks are (a dotted path, several, or a container); found with
+        `find_stacks` when not given. Blocks are counted over all stacks in order."""
+        from .blocks import find_stacks, stack_sizes
 
-        container = resolve_blocks(model, blocks) if blocks is not None else find_blocks(model)[1]
-        if len(container) != self.n_blocks:
+        stacks = [(None, blocks)] if isinstance(blocks, nn.Module) else find_stacks(model, blocks)
+        flat = [b for _, container in stacks for b in container]
+        if len(flat) != self.n_blocks:
             raise ValueError(f"policy for {self.n_blocks} blocks applied to a model with "
-                             f"{len(container)}")
-        remove(model, container)
+                             f"{len(flat)}")
+        sizes = stack_sizes(stacks)
+        if isinstance(self.setting.value, int) and self.setting.spans != \
+                CheckpointSetting(None, len(flat), sizes).spans:
+            raise ValueError(f"policy of {self.setting.value} segments per stack made for stacks "
+                             f"of {[b - a for a, b in self.setting.spans]} blocks, applied to "
+                             f"stacks of {list(sizes)}; make the setting with "
+                             f"CheckpointSetting.of(value, n_blocks, stacks={sizes})")
+        containers = [container for _, container in stacks]
+        remove(model)  # what an earlier policy installed
+        remove(model, containers)
         regions = self.setting.regions
         if self.use_reentrant:
             for a, b in regions:
                 for i in range(a, b):
-                    block = container[i]
+                    block = flat[i]
                     block.forward = self._block_forward(type(block).forward.__get__(block),
                                                         b - a > 1, _blocks_text(i, i + 1))
         elif regions:
-            self._loop = LoopRegions(self, list(container), regions).install(model)
-        if regions and isinstance(container, nn.Sequential):
-            # used only if the model calls the Sequential as a whole; a model that loops over
-            # it calls the blocks, whose hooks (or forwards) make the regions instead
-            container.forward = self._sequence_forward(container)
+            self._loop = LoopRegions(self, flat, regions).install(model)
+        offset = 0
+        for container in containers:
+            if regions and isinstance(container, nn.Sequential):
+                # used only if the model calls the Sequential as a whole; a model that loops
+                # over it calls the blocks, whose hooks (or forwards) make the regions instead
+                container.forward = self._sequence_forward(container, offset)
+            offset += len(container)
         model.__dict__["checkpoint_policy"] = self
-        model.__dict__["_ddpkit_blocks"] = container
+        model.__dict__["_ddpkit_blocks"] = containers
         return model
 
     def uninstall(self):
@@ -324,16 +383,21 @@ class CheckpointPolicy:
                 f"use_reentrant={self.use_reentrant})")
 
 
-def remove(model, container=None):
-    """Take any installed policy off ``model``: every module runs its class's forward again."""
-    container = container if container is not None else model.__dict__.get("_ddpkit_blocks")
+def remove(model, containers=None):
+    """Take any installed policy off ``model``: every module runs its class's forward again.
+    ``containers``: the stacks it was installed on (those recorded at install when not given)."""
+    if containers is None:
+        containers = model.__dict__.get("_ddpkit_blocks")
     policy = model.__dict__.pop("checkpoint_policy", None)
     if policy is not None:
         policy.uninstall()
-    if container is None:
+    if containers is None:
         return model
-    container.__dict__.pop("forward", None)
-    for block in container:
-        block.__dict__.pop("forward", None)
+    if isinstance(containers, nn.Module):
+        containers = [containers]
+    for container in containers:
+        container.__dict__.pop("forward", None)
+        for block in container:
+            block.__dict__.pop("forward", None)
     model.__dict__.pop("_ddpkit_blocks", None)
     return model

@@ -66,7 +66,10 @@ class ActivationProbe:
         if key in self._params or key in self._seen or nbytes == 0:
             return
         if self._model is not None:
-            self._params |= {storage(_local(p))[0] for p in self._model.parameters()}
+            # FSDP's gathered (unsharded) parameters are plain tensors; its shards, DTensors,
+            # are never saved by the forward: only the former are looked up
+            self._params |= {storage(p)[0] for p in self._model.parameters()
+                             if not hasattr(p, "to_local")}
             if key in self._params:
                 return
         self._seen.add(key)

@@ -303,6 +303,8 @@ _SAME_RUN = ("world_size", "strategy", "optimizer")
 def _plain(value):
     if callable(value):  # a model given as a function/class: compare by name, not by address
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', value)}"
+    if isinstance(value, tuple):  # several stacks' paths: a list, as meta.json reads back
+        return list(value)
     return value
 
 

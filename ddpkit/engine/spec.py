@@ -7,15 +7,18 @@ or an import path; ``loss`` is ``(model, batch) -> scalar`` or an import path, o
 conventions: a dict batch calls ``model(**batch)`` and takes ``.loss`` (transformers), a tuple
 batch calls ``model(*batch)``, which returns the loss (the built-in models).
 
-`model_info(cfg)` builds the model once on the ``meta`` device (no memory) to learn what the
-kernel needs before anything is spawned: where the blocks are and how many, whether it is a
+`model_info(cfg)` builds the model once on the ``meta`` device (no memory; `empty` says how,
+and what it falls back to) to learn what the kernel needs before anything is spawned: where
+the stacks of blocks are and how many blocks each holds, whether it is a
 Hugging Face causal LM (then ``data=None`` means synthetic tokens), whether it switched on its
 own checkpointing. It is cached per factory.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -63,19 +66,38 @@ def resolve(spec, setting):
     return obj
 
 
-def call_factory(spec):
-    """Call the model factory; errors name ``model=``."""
+def factory_of(spec):
+    """The callable ``model=`` names, checked to be callable with no arguments."""
     factory = resolve(spec, "model")
     try:
-        model = factory()
-    except Exception as exc:
-        raise ValueError(f"TrainConfig.model={describe_spec(spec)} raised {type(exc).__name__}: "
-                         f"{exc}; the factory must build the model with no arguments") from exc
+        inspect.signature(factory).bind()
+    except TypeError as exc:
+        raise ValueError(f"TrainConfig.model={describe_spec(spec)} cannot be called with no "
+                         f"arguments ({exc}); the factory must build the model with no "
+                         f"arguments: wrap it, e.g. model=lambda: make_model(size)") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): calling it will tell
+    return factory
+
+
+def check_module(model, spec):
+    """``model`` if it is an ``nn.Module``, else an error naming ``model=``."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"TrainConfig.model={describe_spec(spec)} returned a "
                          f"{type(model).__name__}, not an nn.Module; return the model, e.g. "
                          f"`def make_model(): return Net()`")
     return model
+
+
+def call_factory(spec):
+    """Call the model factory; errors name ``model=``."""
+    factory = factory_of(spec)
+    try:
+        model = factory()
+    except Exception as exc:
+        raise ValueError(f"TrainConfig.model={describe_spec(spec)} raised {type(exc).__name__} "
+                         f"while building the model: {exc}") from exc
+    return check_module(model, spec)
 
 
 def is_causal_lm(model):
@@ -94,18 +116,45 @@ def own_checkpointing(model):
     return bool(layers)
 
 
+class Stack(NamedTuple):
+    """One stack of repeated blocks: its dotted path, how many blocks, their class."""
+    path: str
+    n_blocks: int
+    block_class: str
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the kernel knows of a model without allocating it."""
     name: str                 # class name
-    blocks: str               # dotted path of the block container
-    n_blocks: int
-    block_class: str
+    stacks: tuple             # every stack of repeated blocks (`Stack`), in the model's order
     causal_lm: bool
     vocab_size: int | None
     own_checkpointing: bool   # transformers' gradient_checkpointing_enable() was called
     use_cache: bool           # a transformers config asks for a KV cache (useless in training)
     n_params: int
+    built: str = "meta"       # how it was built without memory (`empty.build_empty`)
+
+    @property
+    def blocks(self):
+        """Where the blocks are, as ``blocks=`` names them: a path, or a tuple of several."""
+        paths = tuple(s.path for s in self.stacks)
+        return paths[0] if len(paths) == 1 else paths
+
+    @property
+    def n_blocks(self):
+        """Blocks over all stacks."""
+        return sum(s.n_blocks for s in self.stacks)
+
+    @property
+    def stack_sizes(self):
+        return tuple(s.n_blocks for s in self.stacks)
+
+    @property
+    def block_class(self):
+        """The blocks' class name (a tuple of them where the stacks differ)."""
+        names = tuple(dict.fromkeys(s.block_class for s in self.stacks))
+        return names[0] if len(names) == 1 else names
 
 
 _INFO = {}  # (spec key, blocks) -> (spec, ModelInfo): one meta build per factory
@@ -113,22 +162,28 @@ _INFO = {}  # (spec key, blocks) -> (spec, ModelInfo): one meta build per factor
 
 def model_info(model_spec, blocks=None, seed=0, build=None):
     """`ModelInfo` of a factory (cached per factory); ``build``: how to call it, when it is not
-    the factory itself (a built-in model built from its config)."""
-    from .blocks import find_blocks
+    the factory itself (a built-in model built from its config). Built on the meta device,
+    else on fake tensors (`empty.build_empty`): no memory either way."""
+    from .blocks import find_stacks
+    from .empty import build_empty
 
     key = (model_spec if isinstance(model_spec, str) else id(model_spec), blocks)
     hit = _INFO.get(key)
     if build is None and hit is not None and hit[0] is model_spec:
         return hit[1]
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    factory = build if build is not None else factory_of(model_spec)
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = build() if build is not None else call_factory(model_spec)
-    path, container = find_blocks(model, blocks)
+        model, how = build_empty(factory, f"TrainConfig.model={describe_spec(model_spec)}",
+                                 who="TrainConfig (finding the blocks)")
+    check_module(model, model_spec)
+    stacks = find_stacks(model, blocks)
     config = getattr(model, "config", None)
-    info = ModelInfo(type(model).__name__, path, len(container), type(container[0]).__name__,
+    info = ModelInfo(type(model).__name__,
+                     tuple(Stack(p, len(c), type(c[0]).__name__) for p, c in stacks),
                      is_causal_lm(model), getattr(config, "vocab_size", None),
-                     own_checkpointing(model), bool(getattr(config, "use_cache", False)),
-                     sum(p.numel() for p in model.parameters()))
+                     own_checkpointing(model), bool(_caching_configs(model)),
+                     sum(p.numel() for p in model.parameters()), how)
     if build is None:
         _INFO[key] = (model_spec, info)
     return info
@@ -139,16 +194,29 @@ def prepare_for_training(model):
     transformers' own checkpointing goes off (ddpkit's policy is the one that runs), and its KV
     cache too (generation only; under training it keeps every block's keys and values)."""
     notes = []
-    if own_checkpointing(model) and hasattr(model, "gradient_checkpointing_disable"):
-        model.gradient_checkpointing_disable()
+    # transformers 5's name, then the one before (which warns in 5 that it goes in v6)
+    off = getattr(model, "activation_checkpointing_disable", None) or \
+        getattr(model, "gradient_checkpointing_disable", None)
+    if own_checkpointing(model) and off is not None:
+        off()
         notes.append("the model's own gradient checkpointing was on: ddpkit turned it off and "
                      "runs TrainConfig.checkpoint instead")
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
+    caching = _caching_configs(model)
+    for config in caching:
         config.use_cache = False
+    if caching:
         notes.append("use_cache=True in the model's config: set to False for training (a KV "
                      "cache is for generation)")
     return notes
+
+
+def _caching_configs(model):
+    """Every config in the model that asks for a KV cache: the model's own and its parts'
+    (T5's decoder keeps a copy of its own, and builds a cache from it even when the model is
+    called with labels; a checkpoint's recompute would then write that cache twice)."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if getattr(c, "use_cache", False) is True}
+    return list(configs.values())
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -198,3 +266,58 @@ def build_model(cfg):
         return models.build_builtin(cfg), []
     model = call_factory(cfg.model)
     return model, prepare_for_training(model)
+
+
+def build_fake(cfg, mode):
+    """`build_model` on fake tensors, without the weights' initialisation (`empty.build_empty`:
+    what a step saves does not depend on it). Call it inside ``mode`` (a ``FakeTensorMode``).
+    Returns ``(model, notes, how)``: ``how`` is the way it was built."""
+    from . import models
+    from .empty import build_empty
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model in BUILTIN:
+        model, how = build_empty(lambda: models.build_builtin(cfg), cfg.model, mode)
+        return model, [], how
+    name = f"TrainConfig.model={describe_spec(cfg.model)}"
+    model, how = build_empty(factory_of(cfg.model), name, mode)
+    model = check_module(model, cfg.model)
+    return model, prepare_for_training(model), how
+
+
+def fake_model(cfg, mode, keep=None, dtype=None):
+    """``(model, how)``: `build_fake`'s model in training mode, cut to its first ``keep`` blocks
+    when asked (the estimate at real sizes traces a few and scales; one stack only), its floating
+    parameters and buffers in ``dtype`` when given (FSDP's mixed precision computes with them
+    so: made again empty in that dtype, a tied weight once; ``Module.to`` cannot swap a fake
+    tensor that FakeTensorMode's memo holds a weak reference to)."""
+    from .blocks import find_stacks
+
+    with mode:
+        model, _, how = build_fake(cfg, mode)
+        if keep is not None:
+            stacks = find_stacks(model, cfg.blocks_path)
+            if len(stacks) != 1:
+                raise ValueError(f"a model cut to its first {keep} blocks has one stack; this "
+                                 f"one has {len(stacks)}")
+            del stacks[0][1][keep:]
+        if dtype is not None:
+            _recast(model, dtype)
+    return model.train(), how
+
+
+def _recast(model, dtype):
+    """Each floating parameter and buffer of ``model`` (empty: fake or meta) made again in
+    ``dtype``, a tensor held in two places once."""
+    made = {}
+
+    def recast(t):
+        if id(t) not in made:
+            new = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+            made[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)]
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None and t.is_floating_point():
+                    table[name] = recast(t)

@@ -79,23 +79,48 @@ def optimizer_class(cfg):
     return torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
 
 
-def wrap(cfg, model, ctx, count_comm=True, mesh=None, watch=None):
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_dtype(cfg, precision=None):
+    """The dtype FSDP's mixed precision computes in (its ``param_dtype``), or None: the FSDP2
+    strategies (``"zero2"``, ``"fsdp"``, ``"hsdp"``) with bf16/fp16 run as practitioners run FSDP2 (torchtitan, Lightning, accelerate):
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, each block's parameters
+    gathered in bf16 and its gradients reduced in fp32, no autocast. (Autocast over FSDP's
+    fp32 parameters would keep a bf16 copy of every gathered weight for backward, on every
+    rank: the sharding undone.)"""
+    precision = precision or cfg.precision
+    return PARAM_DTYPES.get(precision) if is_fsdp(cfg.strategy) else None
+
+
+def autocast_precision(cfg):
+    """The precision `train_step`'s autocast runs: DDP autocasts (what DDP users run); FSDP's
+    mixed precision casts the parameters itself, so its forward runs without autocast."""
+    return "fp32" if mixed_dtype(cfg) is not None else cfg.precision
+
+
+def wrap(cfg, model, ctx, count_comm=True, mesh=None, precision=None, watch=None):
     """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy. ``mesh``: FSDP's
-    device mesh, if made already (the estimate makes it outside FakeTensorMode). ``watch``: the
+    device mesh, if made already (the estimate makes it outside FakeTensorMode); ``precision``:
+    the run's, when ``cfg`` is a copy for another device (the estimate's). ``watch``: the
     timeline's observer of each bucket's all-reduce (`CommCounter` calls it), DDP only."""
     if is_fsdp(cfg.strategy):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from .blocks import resolve_blocks
 
         mesh = mesh or fsdp_mesh(ctx.device.type, cfg)
+        dtype = mixed_dtype(cfg, precision)
+        kw = {} if dtype is None else dict(mp_policy=MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32))
         # zero2: each block keeps its gathered parameters from forward to the end of backward
         # (no second all-gather). fsdp/hsdp leave reshard_after_forward to torch: blocks
         # reshard, and the root does not (torch 2.13 `_fsdp_state._lazy_init`: its parameters
         # are needed at once by backward), so the root is gathered once a step in every
         # strategy. Passing True would reshard the root too (a second all-gather)
-        kw = {"reshard_after_forward": False} if cfg.strategy == "zero2" else {}
-        for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block
+        if cfg.strategy == "zero2":
+            kw["reshard_after_forward"] = False
+        for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block, every stack
             fully_shard(block, mesh=mesh, **kw)
         fully_shard(model, mesh=mesh, **kw)
         return model, optimizer_class(cfg)(model.parameters(), lr=cfg.lr), None

@@ -16,7 +16,6 @@ from ..config import TrainConfig
 from ..engine import saving
 from ..engine.data import make_dataset
 from ..engine.loop import train_rank
-from ..engine.policies import CheckpointSetting
 from ..runtime.launch import launch
 
 
@@ -181,7 +180,7 @@ def recompute_flops_ratio(cfg):
     FakeTensorMode model (no memory)."""
     from .estimate import traced_flops
 
-    return traced_flops(cfg) / traced_flops(cfg, CheckpointSetting(None, cfg.n_blocks))
+    return traced_flops(cfg) / traced_flops(cfg, cfg.setting(None))
 
 
 SWEEP_COLUMNS = ("final_loss", "step_time_ms", "step_time_iqr_ms", "activation_bytes",

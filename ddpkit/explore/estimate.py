@@ -1,13 +1,11 @@
 """Predicted bytes per rank, before any rank starts: from first principles for the built-in
 models, and for any other model by tracing one forward under torch's ``FakeTensorMode``.
 
-**Your model** (`trace`): the model is built under ``FakeTensorMode`` (no memory), the
-checkpoint policy installed exactly as the ranks install it, and one micro-batch's forward run
-with the same `ActivationProbe` the ranks measure with (each storage once, parameters left out).
-What autograd saves is the same set of tensors with or without real data, so the prediction
-equals the measurement. Per block (`Estimate.blocks`): the bytes each block keeps when it runs
-plain, the bytes its input costs when it is checkpointed instead, and its forward FLOPs (what a
-recompute costs), from one uncheckpointed trace with ``FlopCounterMode``.
+**Your model** (`ddpkit.explore.trace`): one micro-batch traced under ``FakeTensorMode`` with
+the checkpoint policy the ranks install and the `ActivationProbe` they measure with, so the
+prediction equals the measurement; per block (`Estimate.blocks`) what each keeps plain, what
+its input costs checkpointed, and its forward FLOPs. A large model is traced cut to 3 blocks
+and its figures carried to all (`trace`). The step's peak: `Estimate.peak()`.
 
 **The built-in models**, from first principles: what each op keeps for backward.
 
@@ -36,16 +34,14 @@ parameters greedily, so the heaviest rank can hold more.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import sys
-import threading
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from ..engine.policies import CheckpointSetting
 from . import attention
+from .trace import (as_real_for_transformers, as_setting, on_device,  # noqa: F401 (the API)
+                    run_target, trace_activations, traced, traced_flops)
 from .units import human_bytes
 
 F32, I64 = 4, 8
@@ -169,7 +165,7 @@ def activation_bytes(cfg, setting=None):
     """Predicted activation bytes of one micro-batch under ``setting`` (a `CheckpointSetting`;
     the config's when not given): first principles for the built-in models, a FakeTensorMode
     trace for yours."""
-    setting = _setting(cfg, setting)
+    setting = as_setting(cfg, setting)
     if not _by_formula(cfg):
         return trace_activations(cfg, setting)
     ends, block, boundary = activation_parts(cfg)
@@ -179,21 +175,7 @@ def activation_bytes(cfg, setting=None):
     return total
 
 
-def _setting(cfg, setting):
-    if setting is None:
-        return cfg.checkpointing
-    if not isinstance(setting, CheckpointSetting):
-        raise TypeError(f"pass a CheckpointSetting (CheckpointSetting.of({setting!r}, "
-                        f"{cfg.n_blocks})), or nothing for the config's own setting")
-    return setting
-
-
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _target(cfg):
-    """The GPU cfg's rank 0 computes attention on, or None for CPU ranks (`attention`)."""
-    return attention.run_target(cfg.world_size, cfg.backend, cfg.device)
 
 
 def _attention_bytes(cfg):
@@ -202,7 +184,7 @@ def _attention_bytes(cfg):
     B, T, D, H = cfg.micro_batch, cfg.seq_len, cfg.width, cfg.n_heads
     x = torch.empty(B, T, 3 * D, dtype=_DTYPES[cfg.precision], device="meta")
     q, k, v = x.view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # as models.Attention does
-    target = _target(cfg)
+    target = run_target(cfg)
     kernel = "cpu_flash" if target is None else attention.cuda_kernel(
         q, k, v, target, is_causal=True, dropout_p=cfg.dropout)
     return attention.saved_bytes(kernel, q, k, v)
@@ -210,8 +192,12 @@ def _attention_bytes(cfg):
 
 def _by_formula(cfg):
     """Does the first-principles formula cover cfg? The built-in models, unless CUDA would run
-    the GPT's attention on its math kernel."""
-    return cfg.builtin and (cfg.model == "mlp" or _attention_bytes(cfg) is not None)
+    the GPT's attention on its math kernel, or FSDP's mixed precision computes in bf16/fp16
+    (traced instead)."""
+    from ..engine.strategies import mixed_dtype
+
+    return cfg.builtin and mixed_dtype(cfg) is None and \
+        (cfg.model == "mlp" or _attention_bytes(cfg) is not None)
 
 
 def optimizer_bytes(cfg, n_params):
@@ -251,11 +237,11 @@ def estimate(cfg) -> Estimate:
         n = param_count(cfg)
         _, block, boundary = activation_parts(cfg)
         costs = [BlockCost(f"blocks.{i}", block, boundary, f)
-                 for i, f in enumerate(_traced(cfg).block_flops)]
+                 for i, f in enumerate(traced(cfg).block_flops)]
         return Estimate(params=n * F32 // shards, grads=n * F32 // shards,
                         optimizer=optimizer_bytes(cfg, n), activations=activation_bytes(cfg),
                         activation_per_block=block, boundary=boundary, blocks=costs, config=cfg)
-    t = _traced(cfg)
+    t = traced(cfg)
     costs = [BlockCost(name, keeps, boundary, flops) for name, keeps, boundary, flops
              in zip(t.block_names, t.block_keeps, t.block_boundary, t.block_flops)]
     return Estimate(params=t.param_bytes // shards, grads=t.trainable_bytes // shards,
@@ -265,159 +251,3 @@ def estimate(cfg) -> Estimate:
                     config=cfg)
 
 
-# ----------------------------------------------------------------------------- FakeTensorMode
-class _Traced:
-    """A config's model built under FakeTensorMode, with one fake micro-batch (cached)."""
-
-    def __init__(self, cfg):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        from ..engine.blocks import block_names, resolve_blocks
-        from ..engine.data import first_batch, make_dataset
-        from .fakeworld import fake_model
-
-        self.cfg = cfg
-        self.target = _target(cfg)  # a CUDA run: attention keeps what its CUDA kernel keeps
-        self.mode = FakeTensorMode()
-        self.lock, self.memo = threading.RLock(), {}
-        real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
-        with self.mode, torch.random.fork_rng(devices=[]):
-            self.model = fake_model(cfg)
-        self.batch = torch.utils._pytree.tree_map(
-            lambda t: self.mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, real_batch)
-        self.blocks = resolve_blocks(self.model, cfg.blocks_path)
-        self.block_names = block_names(cfg.blocks_path, self.blocks)
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # gradients and optimizer state exist for trainable parameters only (LoRA: adapters)
-        self.trainable_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()
-                                   if p.requires_grad)
-        self._per_block()
-
-    def forward_bytes(self, setting, probe=None):
-        """Activation bytes one forward saves under ``setting`` (a `CheckpointSetting`,
-        memoised per setting)."""
-        from ..engine.probes import ActivationProbe
-        from ..engine.spec import compute_loss
-        from ..engine.step import autocast_for
-
-        key = str(setting)
-        if probe is None and key in self.memo:
-            return self.memo[key]
-        probe = probe or ActivationProbe()
-        # one FakeTensorMode is not for two threads at once (the lab's plots and sliders)
-        with self.lock:
-            self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
-            with self.mode, _as_real_for_transformers(self.batch), probe.forward(self.model), \
-                    autocast_for(self.cfg.precision, "cpu"), _on_device(self.target):
-                compute_loss(self.model, self.batch, self.cfg.loss_fn)
-        self.memo[key] = probe.bytes
-        return probe.bytes
-
-    def _per_block(self):
-        from torch.utils.flop_counter import FlopCounterMode
-
-        from ..engine.probes import ActivationProbe, storage
-
-        probe, inputs = ActivationProbe(), {}
-
-        def enter(i, module, args, kwargs):
-            probe.owner = i
-            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            inputs[i] = storage(first)[1] if first is not None else 0
-        hooks = [b.register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True)
-                 for i, b in enumerate(self.blocks)]
-        hooks += [b.register_forward_hook(lambda *a: setattr(probe, "owner", None))
-                  for b in self.blocks]
-        try:
-            with FlopCounterMode(display=False) as counter:
-                self.forward_bytes(CheckpointSetting(None, len(self.blocks)), probe)
-        finally:
-            for h in hooks:
-                h.remove()
-        counts = counter.get_flop_counts()
-        root = type(self.model).__name__
-        self.block_keeps = [probe.by_owner.get(i, 0) for i in range(len(self.blocks))]
-        self.block_boundary = [inputs.get(i, 0) for i in range(len(self.blocks))]
-        self.block_flops = [sum(counts.get(f"{root}.{n}", {}).values()) for n in self.block_names]
-
-
-def _on_device(target):
-    """Attention as the run's device computes it: CPU's kernels as they are; on a CUDA
-    target, the kernel CUDA picks, saving what it saves (`attention.on_cuda`)."""
-    return contextlib.nullcontext() if target is None else attention.on_cuda(target)
-
-
-@contextlib.contextmanager
-def _as_real_for_transformers(batch):
-    """transformers takes a FakeTensor for a compile trace (``is_tracing``): it then cannot read
-    the mask data, so it builds an explicit causal mask instead of SDPA's ``is_causal=True``,
-    which sends attention down another kernel than the real run takes (another set of saved
-    tensors). For a batch with neither ``attention_mask`` nor ``position_ids`` the real run's
-    decisions need no data (no padding, positions 0..T-1, nothing packed), so during the trace
-    they are made as the run makes them. Other batches keep transformers' traced decisions."""
-    masking = sys.modules.get("transformers.masking_utils")
-    names = ("_ignore_causal_mask_sdpa", "find_packed_sequence_indices")
-    plain = isinstance(batch, dict) and not {"attention_mask", "position_ids"} & set(batch)
-    if masking is None or not plain or not all(hasattr(masking, n) for n in names):
-        yield
-        return
-    real = {n: getattr(masking, n) for n in names}
-
-    def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
-        if padding_mask is None and isinstance(q_offset, int) and local_attention_size is None:
-            return q_length == 1 or kv_length == q_length
-        return real["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset,
-                                                kv_offset, local_attention_size)
-
-    masking._ignore_causal_mask_sdpa = ignore
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        for n, fn in real.items():
-            setattr(masking, n, fn)
-
-
-_TRACES = {}
-_TRACES_LOCK = threading.Lock()
-
-
-def _trace_key(cfg):
-    d = cfg.to_dict()
-    keep = ("model", "data", "loss", "blocks", "n_blocks", "width", "mlp_ratio", "seq_len", "vocab",
-            "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant")
-    return tuple((k, d[k] if isinstance(d[k], (str, int, float, type(None))) else id(d[k]))
-                 for k in keep) + (_target(cfg),)
-
-
-def _traced(cfg):
-    key = _trace_key(cfg)
-    with _TRACES_LOCK:
-        hit = _TRACES.get(key)
-        if hit is None or hit.cfg.model is not cfg.model or hit.cfg.data is not cfg.data:
-            if len(_TRACES) > 16:
-                _TRACES.clear()
-            hit = _TRACES[key] = _Traced(cfg)
-        return hit
-
-
-def traced_flops(cfg, setting=None):
-    """FLOPs of one micro-batch's forward and backward under ``setting`` (a `CheckpointSetting`;
-    the config's when not given), counted under FakeTensorMode."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ..engine.spec import compute_loss
-
-    setting = _setting(cfg, setting)
-    t = _traced(cfg)
-    with t.lock:
-        cfg.checkpoint_policy(setting).apply(t.model, cfg.blocks_path)
-        with t.mode, _as_real_for_transformers(t.batch), FlopCounterMode(display=False) as counter:
-            compute_loss(t.model, t.batch, cfg.loss_fn).backward()
-    return counter.get_total_flops()
-
-
-def trace_activations(cfg, setting=None):
-    """Activation bytes of one micro-batch under ``setting`` (a `CheckpointSetting`; the
-    config's when not given), traced (no memory)."""
-    return _traced(cfg).forward_bytes(_setting(cfg, setting))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
 import torch.distributed as dist
@@ -57,11 +58,13 @@ def fake_world(rank, world_size):
     for name in skipped:
         skipped[name] = getattr(ddp_module, name)
         setattr(ddp_module, name, lambda *args, **kwargs: None)
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:": once per world
     dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
         for name, fn in skipped.items():
             setattr(ddp_module, name, fn)
 
@@ -189,38 +192,3 @@ class _FirstLayout:
     def _rebuild_buckets(self):
         return False
 
-
-def fake_model(cfg):
-    """``cfg``'s model built under the active FakeTensorMode (call it inside the mode).
-
-    Most factories run there as they are. peft's ``get_peft_model`` does not: it moves each
-    adapter to its base layer's device with ``.to()``, and torch swaps a FakeTensor parameter on
-    ``_apply`` (``torch.utils.swap_tensors``), which refuses a tensor with a weakref, as the
-    fake tensors of the mode have ("Cannot swap t1 because it has weakref associated with
-    it"). Such a model is built on the meta device instead (outside the mode) and each of its
-    parameters and buffers replaced by a fake CPU tensor of the same shape and dtype, shared
-    ones (tied weights) once: the same storages, so the same bytes."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from ..engine.spec import build_model
-
-    try:
-        return build_model(cfg)[0].train()
-    except ValueError as exc:
-        if "swap" not in str(exc.__cause__ or exc):
-            raise
-    with unset_fake_temporarily(), torch.device("meta"):
-        model = build_model(cfg)[0].train()
-    made = {}
-
-    def fake(t, param):
-        if id(t) not in made:
-            new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if param else new
-        return made[id(t)]
-    for module in model.modules():
-        for kind, param in ((module._parameters, True), (module._buffers, False)):
-            for name, t in list(kind.items()):
-                if t is not None:
-                    kind[name] = fake(t, param)
-    return model

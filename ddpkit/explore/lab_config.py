@@ -6,7 +6,6 @@ from __future__ import annotations
 import html
 import threading
 
-from ..engine.policies import CheckpointSetting
 from . import background
 from .estimate import estimate
 from .units import fmt_bytes
@@ -40,9 +39,8 @@ class ConfigSync:
         """What the controls say, a `CheckpointSetting`: the per-block control's once it was
         edited, else the segments slider's (0: none)."""
         if self._selective:
-            return self.view.blocks.setting()
-        return CheckpointSetting.of(self.view.controls["segments"].value or None,
-                                    self.cfg.n_blocks)
+            return self.cfg.setting(self.view.blocks.setting().value)
+        return self.cfg.setting(self.view.controls["segments"].value or None)
 
     def config(self):
         """The TrainConfig the controls describe (raises ValueError naming the field)."""

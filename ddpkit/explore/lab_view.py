@@ -29,15 +29,16 @@ class LabView:
         """One control per config field the Lab edits, and the per-block control (one toggle
         per detected block, named as the model names it)."""
         n = c.n_blocks
+        shortest = min(c.stack_sizes or (n,))  # segments are made in each stack
         style = {"description_width": "110px"}
         full = lambda: W.Layout(width="auto", max_width="380px")  # noqa: E731
         self.controls = {
             "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style,
                                       layout=full()),
-            "segments": W.IntSlider(0, 0, n, description="ckpt segments", style=style,
+            "segments": W.IntSlider(0, 0, shortest, description="ckpt segments", style=style,
                                     layout=full(),
-                                    tooltip="0 = off; s = checkpoint_sequential segments "
-                                            "(the last segment is never checkpointed)"),
+                                    tooltip="0 = off; s = checkpoint_sequential segments in each "
+                                            "stack (the last segment is never checkpointed)"),
             "use_reentrant": W.Checkbox(c.use_reentrant, description="use_reentrant",
                                         indent=False),
             "accum_steps": W.IntSlider(c.accum_steps, 1, 16, description="accum steps",
@@ -51,8 +52,10 @@ class LabView:
                                       layout=full()),
             **timeline_controls(c, style, full),  # [timeline] DDP's bucket size, simulated link
         }
-        # the blocks the config found in the model: one stack of them (their full module names)
-        self.blocks = BlockControl([(c.blocks_path, block_names(c.blocks_path, range(n)))])
+        # the blocks the config found in the model, stack by stack (their full module names as
+        # tooltips), counted over all stacks in order
+        self.blocks = BlockControl([(s.path, block_names([(s.path, s.n_blocks)]))
+                                    for s in c.info.stacks])
         self.block_toggles = self.blocks.toggles
 
     def _build_run_widgets(self, cfg):

@@ -40,11 +40,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..engine import memory, strategies
+from ..engine import empty, memory, strategies
 from ..engine.memory import optimizer_tensors, storages
 from ..engine.probes import ActivationProbe
+from ..engine.blocks import resolve_blocks
+from ..engine.policies import CheckpointSetting
+from ..engine.spec import describe_spec, fake_model
 from ..engine.step import train_step, zero_grad
-from .fakeworld import (fake_model, fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
+from . import scale
+from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
                         watch_storage_resizes)
 
 _LOCK = threading.RLock()  # one fake world at a time (the Lab's threads)
@@ -62,6 +66,7 @@ class LiveStorages(TorchDispatchMode):
         self.total, self.phase, self.fsdp = 0, None, False
         self.ignore = False  # inside DTensor's sharding propagation (see `skip_dtensor_meta`)
         self.forward_ends = []  # event index at the end of each forward
+        self.points = []        # (event index, name): where the blocks' forward/backward begin, end
         self._refs = {}
 
     def _size(self, nbytes):
@@ -79,6 +84,11 @@ class LiveStorages(TorchDispatchMode):
         size = self._size(storage.nbytes())
         self._refs[key] = (weakref.ref(storage, functools.partial(self._gone, key)), size)
         self._log(size, key)
+
+    def adopt(self, tensors):
+        """Track storages made before the mode was entered (the model's)."""
+        while tensors:
+            self.add(tensors.pop().untyped_storage())
 
     def _gone(self, key, _ref):
         entry = self._refs.pop(key, None)
@@ -106,6 +116,9 @@ class LiveStorages(TorchDispatchMode):
                 self.add(t.untyped_storage())
         return out
 
+    def point(self, name):
+        self.points.append((len(self.events), name))
+
     @contextlib.contextmanager
     def mark(self, name):
         """`train_step`'s phase marks."""
@@ -127,58 +140,100 @@ class Simulation:
     rank: int
     peaks: list
     loads: list
+    segments: list = dataclasses.field(default_factory=list, repr=False)
+    """Per step, {segment: (highest bytes, ledger then)}: the step cut where the blocks' forward
+    ends and their backward begins and ends (`scale.py` extrapolates these in the block count)."""
+    how: str = "simulated"
+    """'simulated' (the whole model) or 'scaled from 3 and 4 blocks' (`scale.py`)."""
 
 
-def simulate(cfg, rank=0, steps=2):
+def simulate(cfg, rank=0, steps=2, keep=None):
     """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
-    `Simulation`."""
+    `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     from ..devices import resolve_devices
-    from ..engine.data import first_batch, make_dataset
-    from .estimate import _as_real_for_transformers
 
-    from .estimate import _on_device, _target
+    from .trace import as_real_for_transformers, example_batch, on_device, run_target
 
     _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     cuda = device == "cuda"
-    target = _target(cfg) if cuda else None
+    target = run_target(cfg) if cuda else None
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
     wrap_cfg = cfg.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
-                           device="cpu", backend="gloo", precision="fp32" if cfg.precision ==
-                           "fp16" else cfg.precision)
-    real_batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
+                           device="cpu", backend="gloo", precision="fp32")
+    real_batch = example_batch(cfg)
     ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
     live = LiveStorages(CUDA_BLOCK if cuda else 1)
     mode = FakeTensorMode()
     template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                         real_batch)
+    with torch.random.fork_rng(devices=[]):
+        model, how = fake_model(cfg, mode, keep)  # no initialisation: `ddpkit.engine.empty`
+    stage = functools.partial(empty.stage, who="ddpkit.estimate(cfg).peak()",
+                              model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
+    blocks = resolve_blocks(model, cfg.blocks_path)
+    setting = cfg.checkpointing if keep is None else CheckpointSetting.of(cfg.checkpoint, len(blocks))
     with _LOCK, fake_world(rank, cfg.world_size), torch.random.fork_rng(devices=[]), mode, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live):
-        model = fake_model(cfg)
-        cfg.checkpoint_policy().apply(model, cfg.blocks_path)
+        # made before the tracking began (no name left holding the last of them: FSDP frees
+        # the originals once sharded, and so must the simulation)
+        live.adopt([*model.parameters(), *model.buffers()])
+        with stage("installing the checkpoint policy"):
+            cfg.checkpoint_policy(setting).apply(model, cfg.blocks_path)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
             mesh_ready = _premade_mesh(wrap_cfg, ctx)
-        wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False, mesh=mesh_ready)
+        wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False,
+                                                mesh=mesh_ready, precision=cfg.precision)
         buckets = watch_buckets(wrapped, cfg)
         gc.collect()  # fake tensors sit in reference cycles: what a rank frees at once, now
         if cuda:  # torch's default on CUDA: the foreach implementation
             for group in optimizer.param_groups:
                 if "foreach" in group:
                     group["foreach"] = True
-        peaks = []
+        peaks, segments = [], []
+        hooks = _watch_blocks(live, blocks)
         for step in range(steps):
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
-            with _on_device(target):
-                peak = _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets,
-                                 _as_real_for_transformers(real_batch))
-            peaks.append(_with_workspaces(peak, target))
+            with on_device(target), stage("the step"):
+                peak, cut = _one_step(cfg, step, live, model, wrapped, optimizer, batches,
+                                      buckets, as_real_for_transformers(real_batch))
+            extra = cublas_workspaces(target) if target is not None else 0
+            peaks.append(_plus(peak, extra))
+            segments.append({k: (v + extra, {**ledger, "other": ledger["other"] + extra})
+                             for k, (v, ledger) in cut.items()})
             zero_grad(optimizer)
+        for h in hooks:
+            h.remove()
         loads = _loads(optimizer, model, cfg.world_size)
-    return Simulation(rank, peaks, loads)
+    return Simulation(rank, peaks, loads, segments)
+
+
+def _first_tensor(values):
+    return next((t for t in tree_leaves(values) if isinstance(t, torch.Tensor)), None)
+
+
+def _watch_blocks(live, blocks):
+    """Points in the step where the blocks' forward ends (the last block's forward returns) and
+    their backward begins (the gradient of the last block's output arrives) and ends (the
+    gradient of the first block's input)."""
+    def after_last(module, args, out):
+        if live.phase != "forward":
+            return  # a checkpointed block run again inside the backward
+        live.point("blocks_forward_done")
+        t = _first_tensor(out)
+        if t is not None and t.requires_grad:
+            t.register_hook(lambda g: live.point("blocks_backward_start"))
+
+    def before_first(module, args, kwargs):
+        t = _first_tensor((args, kwargs))
+        if live.phase == "forward" and t is not None and t.requires_grad:
+            t.register_hook(lambda g: live.point("blocks_backward_end"))
+    return [blocks[-1].register_forward_hook(after_last),
+            blocks[0].register_forward_pre_hook(before_first, with_kwargs=True)]
 
 
 def _loads(optimizer, model, world_size):
@@ -217,10 +272,10 @@ def cublas_workspaces(target):
     return 2 * each
 
 
-def _with_workspaces(peak, target):
-    if target is None or peak is None:
+def _plus(peak, extra):
+    """``peak`` with ``extra`` bytes of "other" at every moment (cuBLAS's workspaces)."""
+    if not extra or peak is None:
         return peak
-    extra = cublas_workspaces(target)
     ledger = {**peak.ledger, "other": peak.ledger["other"] + extra}
     return memory.Peak(peak.bytes + extra, peak.phase, ledger,
                        {p: b + extra for p, b in peak.by_phase.items()})
@@ -236,13 +291,13 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
               "gradients": storages((p.grad for p in model.parameters()), by="impl"),
               "optimizer_state": storages(optimizer_tensors(optimizer), by="impl")}
     base = live.total
-    live.forward_ends = []
+    live.forward_ends, live.points = [], []
     acts = ActivationProbe()
     acts.new_step()
     with real_transformers:
         train_step(wrapped, optimizer, batches, accum_steps=cfg.accum_steps,
                    no_sync=cfg.no_sync and not (cfg.static_graph and step == 0),
-                   precision="fp32" if cfg.precision == "fp16" else cfg.precision, device="cpu",
+                   precision=strategies.autocast_precision(cfg), device="cpu",
                    activation_probe=acts, inner=model, loss_fn=cfg.loss_fn, phase=live.mark,
                    read_loss=False)
     end = len(live.events) - start
@@ -254,7 +309,31 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
     seen += [("ddp_buckets", key, end) for key in census["ddp_buckets"]]
     for keys, index in zip(acts.saved_keys, live.forward_ends):
         seen += [("activations", key, index - start) for key in keys]
-    return memory.summarize(live.events[start:], live.totals[start:], base, census, seen)
+    events, totals = live.events[start:], live.totals[start:]
+    peak = memory.summarize(events, totals, base, census, seen)
+    points = [(i - start, name) for i, name in live.points]
+    return peak, _segments(events, totals, points, memory.Ledger(
+        [e[:3] for e in events], base, census, seen))
+
+
+_AFTER = {"blocks_forward_done": "forward_head", "blocks_backward_start": "backward_blocks",
+          "blocks_backward_end": "backward_stem"}
+_FIRST = {"forward": "forward_blocks", "backward": "backward_head", "optimizer": "optimizer"}
+
+
+def _segments(events, totals, points, ledger):
+    """{segment: (highest total, ledger then)}: each phase cut at the blocks' points."""
+    best, segment, phase, p = {}, None, None, 0
+    for i, (event, total) in enumerate(zip(events, totals)):
+        if event[3] != phase:  # a new phase (or a new micro-step's): its first segment
+            phase = event[3]
+            segment = _FIRST.get(phase)
+        while p < len(points) and points[p][0] <= i:
+            segment = _AFTER.get(points[p][1], segment) if phase in _FIRST else segment
+            p += 1
+        if segment is not None and total > best.get(segment, (-1,))[0]:
+            best[segment] = (total, i)
+    return {name: (total, ledger.at(i)) for name, (total, i) in best.items()}
 
 
 # ----------------------------------------------------------------------------- memoised answers
@@ -278,7 +357,7 @@ def simulated(cfg, rank):
         hit = _MEMO.get(key)
     if hit is not None and hit[0].model is cfg.model and hit[0].data is cfg.data:
         return hit[1]
-    sim = simulate(cfg, rank)
+    sim = scale.scaled(simulate, cfg, rank) if scale.scalable(cfg) else simulate(cfg, rank)
     with _MEMO_LOCK:
         if len(_MEMO) > 64:
             _MEMO.clear()

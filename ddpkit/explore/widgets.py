@@ -15,7 +15,6 @@ doctor's banner, `lab_follow.py` follows a run (figures, progress, error banner)
 from __future__ import annotations
 
 from ..config import TrainConfig
-from ..engine.policies import CheckpointSetting
 from .estimate import activation_bytes
 from .lab_config import ConfigSync
 from .lab_follow import RunFollower
@@ -136,7 +135,7 @@ class Lab:
         self.view.output.clear_output()
         self.plots.new_run(cfg.world_size, label=f"run {len(self.history)}", n_blocks=cfg.n_blocks,
                            predict=lambda rec: activation_bytes(
-                               cfg, CheckpointSetting.of(rec["checkpoint"], cfg.n_blocks)))
+                               cfg, cfg.setting(rec["checkpoint"])))
         self.peaks.new_run(cfg)
         self.timeline.new_run(cfg.world_size, link_label(cfg))  # [timeline]
         self.view.set_running(True)

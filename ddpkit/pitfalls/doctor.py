@@ -86,7 +86,8 @@ def _own_settings(model, cfg):
                 "default) this setting raises 'Expected to mark a variable ready only once' in "
                 "the first backward",
                 "choose the checkpointing with TrainConfig.checkpoint and use_reentrant; outside "
-                "ddpkit, gradient_checkpointing_kwargs={'use_reentrant': False} or "
+                "ddpkit, activation_checkpointing_kwargs={'use_reentrant': False} "
+                "(gradient_checkpointing_kwargs before transformers 5) or "
                 "find_unused_parameters=False"))
         else:
             out.append(Finding("hf_own_checkpointing", at, said,

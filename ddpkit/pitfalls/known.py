@@ -134,14 +134,15 @@ _CATALOG = [
             "ddpkit.launch", silent=False),
     Pitfall("hf_reentrant_find_unused",
             "a transformers model's own reentrant checkpointing + find_unused_parameters=True",
-            "GPT-2 with gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-            "{'use_reentrant': True}) under DDP(find_unused_parameters=True): the first backward "
-            "raises 'Expected to mark a variable ready only once' (the crash forum threads report)",
+            "GPT-2 with activation_checkpointing_enable(activation_checkpointing_kwargs="
+            "{'use_reentrant': True}) (gradient_checkpointing_enable before transformers 5) "
+            "under DDP(find_unused_parameters=True): the first backward raises 'Expected to mark "
+            "a variable ready only once' (the crash forum threads report)",
             "transformers checkpoints each block with torch's checkpoint as told: reentrant, so "
             "the block's parameters are missing from the forward graph DDP searches for unused "
             "ones; DDP marks them ready, then the recompute marks them ready again (the first "
             "entry, on a real model)",
-            "gradient_checkpointing_kwargs={'use_reentrant': False} (this transformers' default), "
+            "use_reentrant=False in those kwargs (transformers 5's default; 4.x passed True), "
             "or find_unused_parameters=False (GPT-2 uses every parameter)", silent=False),
     Pitfall("lora_reentrant_no_input_grad",
             "LoRA (peft) adapters inside blocks checkpointed with use_reentrant=True",

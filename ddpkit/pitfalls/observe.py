@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointError
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from ..engine.blocks import block_names, find_blocks
+from ..engine.blocks import block_names, find_stacks, stack_sizes
 from ..engine.policies import CheckpointSetting, remove
 
 
@@ -79,22 +79,27 @@ def _install_setting(model, value, use_reentrant, preserve_rng_state, blocks):
     """A block setting (an int, 'full', one bool per block): the very policy the ranks install,
     so doctor checks what will run."""
     try:
-        path, blocks = find_blocks(model, blocks)
+        stacks = find_stacks(model, blocks)
     except ValueError:
         if blocks is not None:
             raise
         raise ValueError(f"doctor: checkpoint={value!r} acts on repeated blocks, and this "
                          f"{type(model).__name__} has none; pass checkpoint= as a list of "
                          f"submodule names, or a callable (name, module) -> bool") from None
+    flat = [b for _, container in stacks for b in container]
     try:
-        setting = CheckpointSetting.of(value, len(blocks))
+        setting = CheckpointSetting.of(value, len(flat), stack_sizes(stacks))
     except ValueError as exc:
         raise ValueError(f"doctor: {exc}; or, to doctor, a list of submodule names or a "
                          f"callable (name, module) -> bool") from None
-    setting.build(use_reentrant, preserve_rng_state).apply(model, path)
-    names = block_names(path, blocks)
-    segs = [(names[a] if b - a == 1 else f"{path}[{a}:{b}]", list(blocks[a:b]))
-            for a, b in setting.regions]
+    setting.build(use_reentrant, preserve_rng_state).apply(model, [p for p, _ in stacks])
+    names = block_names(stacks)
+
+    def name(a, b):  # a region lies in one stack: 'transformer.h.3' or 'transformer.h[0:2]'
+        (path, _), (start, _) = next((s, span) for s, span in zip(stacks, setting.spans)
+                                     if span[0] <= a < span[1])
+        return names[a] if b - a == 1 else f"{path}[{a - start}:{b - start}]"
+    segs = [(name(a, b), flat[a:b]) for a, b in setting.regions]
     return segs, lambda: remove(model)
 
 

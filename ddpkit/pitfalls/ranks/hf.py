@@ -2,8 +2,6 @@
 with its own checkpointing switched on as forum answers and trainers do."""
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,12 +19,15 @@ def tiny_gpt2():
 
 
 def hf_checkpointing(model, use_reentrant):
-    """Switch on the model's own checkpointing the way forum answers and trainers do."""
+    """Switch on the model's own checkpointing the way forum answers and trainers do, with the
+    name this transformers has for it: ``activation_checkpointing_enable`` (5.x; the old name
+    warns that it goes in v6), ``gradient_checkpointing_enable`` before."""
     if use_reentrant is None:
         return model
-    with warnings.catch_warnings():  # transformers 5 renames it activation_checkpointing_enable
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*")
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     return model
