@@ -1,6 +1,9 @@
-"""Rank code of the transformers pitfall: a tiny GPT-2 (from a config, nothing downloaded)
-with its own checkpointing switched on as forum answers and trainers do."""
+"""Rank code of the transformers pitfalls: a tiny GPT-2 (from a config, nothing downloaded)
+with its own checkpointing switched on as forum answers and trainers do; the same GPT-2 with
+LoRA adapters (peft) under torch's reentrant checkpoint."""
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -89,7 +92,7 @@ def tiny_lora_gpt2():
     with warnings.catch_warnings():  # peft: GPT-2's Conv1D needs fan_in_fan_out (it sets it)
         warnings.simplefilter("ignore", UserWarning)
         return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                      target_modules=["c_attn"]))
+                                               target_modules=["c_attn"]))
 
 
 def _adapter_grads(model):
