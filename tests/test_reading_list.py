@@ -191,3 +191,15 @@ def test_hsdp_saves_its_shards_and_resumes_exactly(tmp_path):
         ddpkit.train(cfg.replace(steps=2, save_every=2, save_dir=str(tmp_path)), pool=pool)
         resumed = ddpkit.train(cfg.replace(steps=4), resume_from=str(tmp_path), pool=pool)
     assert max_diff(resumed.state_dict, straight.state_dict) == 0.0
+
+
+def test_sweep_has_the_communication_columns_and_figure():
+    table = ddpkit.sweep(cfg_of(2, "ddp", steps=3), progress=False, strategy=["ddp", "zero2"])
+    assert list(table.strategy) == ["ddp", "zero2"]
+    ddp, zero2 = table.comm_by_op
+    assert set(ddp) == {"allreduce"} and set(zero2) == {"allgather", "reduce_scatter"}
+    assert abs(table.comm_bytes[1] - table.comm_bytes[0]) <= 0.01 * table.comm_bytes[0]
+    fig = ddpkit.comm_figure(table)
+    assert [t.name for t in fig.data if t.type == "bar"] == ["allgather", "allreduce",
+                                                             "reduce_scatter"]
+    assert list(fig.data[0].x) == ["strategy=ddp", "strategy=zero2"]
