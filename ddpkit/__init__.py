@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 # loaded on first use: name -> module (the attribute of the same name, or the module itself)
 _LAZY = {"Lab": ".explore.widgets", "LivePlots": ".explore.plots", "pitfalls": ".pitfalls",
-         "tradeoff": ".explore.demo"}
+         "tradeoff": ".explore.demo", "comm_figure": ".explore.zero"}
 
 
 def __getattr__(name):

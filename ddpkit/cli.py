@@ -51,6 +51,8 @@ def _config_parser(parser):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif default is None and "float" in str(f.type):  # bucket_cap_mb, link_gbps
             parser.add_argument(flag, type=float, default=None)
+        elif default is None and "int" in str(f.type):  # shard_size, powersgd_rank
+            parser.add_argument(flag, type=int, default=None)
         elif default is None:  # backend, device, comm_hook, save_dir: optional strings
             parser.add_argument(flag, default=None)
         else:

@@ -15,7 +15,7 @@ from .engine import spec
 from .engine.blocks import paths_of
 from .engine.models import build_builtin
 from .engine.policies import CheckpointSetting
-from .engine.strategies import COMM_HOOKS, STRATEGIES
+from .engine.strategies import COMM_HOOKS, STRATEGIES, is_fsdp, strategy_problem
 
 MODELS = ("mlp", "gpt")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -79,10 +79,21 @@ class TrainConfig:
     each started as soon as its gradients are ready, so communication overlaps the rest of
     backward. None: torch's default (25 MiB, the first bucket 1 MiB)."""
     strategy: str = "ddp"
-    """'ddp'; 'ddp_zero1' (DDP + ZeroRedundancyOptimizer: optimizer state sharded); 'fsdp'
-    (FSDP2 fully_shard per block, then the root: params, grads and optimizer state sharded)."""
+    """'ddp'; 'ddp_zero1' (DDP + ZeroRedundancyOptimizer: optimizer state sharded); 'zero2'
+    (FSDP2 with reshard_after_forward=False: grads and optimizer state sharded, params whole
+    through forward and backward); 'fsdp' (FSDP2 fully_shard per block, then the root: params,
+    grads and optimizer state sharded: ZeRO-3); 'hsdp' (FSDP2 on a 2-D mesh: sharded within
+    groups of shard_size ranks, replicated across them)."""
+    shard_size: int | None = None
+    """strategy='hsdp' only: ranks in each shard group (must divide world_size)."""
     comm_hook: str | None = None
-    """DDP gradient compression: None, 'fp16' or 'bf16' (torch's *_compress_hook; bf16 needs NCCL)."""
+    """DDP gradient compression: None, 'fp16' or 'bf16' (torch's *_compress_hook; bf16 needs
+    NCCL), or 'powersgd' (torch's powerSGD_hook, error feedback on)."""
+    powersgd_rank: int | None = None
+    """comm_hook='powersgd' only: the rank of PowerSGD's low-rank approximation (None: 1)."""
+    powersgd_start_iter: int = 2
+    """comm_hook='powersgd' only: PowerSGD all-reduces uncompressed before this iteration (torch
+    requires 2 or more with error feedback)."""
     # --- activation checkpointing
     checkpoint: object = None
     """None (off); an int s: s segments as torch's checkpoint_sequential counts them (the first
@@ -184,14 +195,24 @@ class TrainConfig:
             bad("lr", "must be > 0", "pass e.g. lr=0.05")
         if self.strategy not in STRATEGIES:
             bad("strategy", "unknown strategy", f"pass one of {STRATEGIES}")
-        if self.strategy == "fsdp" and self.optimizer == "zero1":
-            bad("optimizer", "zero1 shards the optimizer of DDP; FSDP shards it already",
-                "pass optimizer='adamw' with strategy='fsdp', or strategy='ddp_zero1'")
+        if is_fsdp(self.strategy) and self.optimizer == "zero1":
+            bad("optimizer", f"zero1 shards the optimizer of DDP; {self.strategy} (FSDP2) shards "
+                "it already", f"pass optimizer='adamw' with strategy='{self.strategy}', or "
+                "strategy='ddp_zero1'")
         if self.comm_hook not in COMM_HOOKS:
             bad("comm_hook", "unknown hook", f"pass one of {COMM_HOOKS}")
-        if self.comm_hook and self.strategy == "fsdp":
-            bad("comm_hook", "DDP communication hooks do not apply to FSDP",
-                "pass comm_hook=None with strategy='fsdp'")
+        if self.comm_hook and is_fsdp(self.strategy):
+            bad("comm_hook", f"DDP communication hooks do not apply to FSDP2 "
+                f"(strategy='{self.strategy}')", f"pass comm_hook=None with "
+                f"strategy='{self.strategy}', or strategy='ddp'")
+        self._check_hsdp_and_powersgd()
+
+    def _check_hsdp_and_powersgd(self):
+        """``shard_size`` (hsdp) and PowerSGD's rank and first compressed iteration."""
+        problem = strategy_problem(self.strategy, self.world_size, self.shard_size,
+                                   self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
+        if problem:
+            self._bad(*problem)
 
     def _check_saving_and_probes(self):
         for name in ("warmup_steps", "save_every"):
@@ -221,12 +242,16 @@ class TrainConfig:
         lat = self.link_latency_us
         if isinstance(lat, bool) or not isinstance(lat, (int, float)) or lat < 0:
             self._bad("link_latency_us", "must be a number >= 0", "pass e.g. link_latency_us=5")
-        if self.strategy == "fsdp":
+        if is_fsdp(self.strategy):
             for name in ("bucket_cap_mb", "link_gbps", "link_latency_us"):
                 if getattr(self, name):
                     self._bad(name, "acts on DDP's buckets and comm hook; FSDP has neither",
                               f"pass {name}={'0' if name == 'link_latency_us' else 'None'} with "
-                              f"strategy='fsdp', or strategy='ddp'")
+                              f"strategy='{self.strategy}', or strategy='ddp'")
+        if self.comm_hook == "powersgd" and (self.link_gbps or self.link_latency_us):
+            self._bad("link_gbps", "the simulated link times each bucket's bytes; PowerSGD's "
+                      "vary within a bucket", "pass link_gbps=None, link_latency_us=0 with "
+                      "comm_hook='powersgd'")
 
     def _check_model(self):
         if isinstance(self.model, str) and ":" not in self.model and self.model not in MODELS:

@@ -53,6 +53,19 @@ def make_gpt2():
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
+def make_lora_gpt2():
+    """make_gpt2 with LoRA adapters (rank 4) on each block's attention and MLP: peft freezes
+    the rest, embeddings included."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():  # GPT-2's Conv1D: peft sets fan_in_fan_out itself
+        warnings.simplefilter("ignore", UserWarning)
+        return get_peft_model(make_gpt2(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=["c_attn", "c_fc"]))
+
+
 def make_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -151,6 +151,8 @@ def test_two_torchrun_nodes_on_loopback_give_the_same_losses(tmp_path):
     ddpkit.TrainConfig(n_blocks=16, checkpoint=10),
     ddpkit.TrainConfig(n_blocks=1, checkpoint=[True]),
     ddpkit.TrainConfig(measure=False, use_reentrant=True, strategy="fsdp", optimizer="adamw"),
+    ddpkit.TrainConfig(strategy="hsdp", shard_size=2, optimizer="adamw"),
+    ddpkit.TrainConfig(comm_hook="powersgd", powersgd_rank=2, powersgd_start_iter=3),
 ])
 def test_to_cli_parses_back_to_the_same_config(cfg):
     import argparse

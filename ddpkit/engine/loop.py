@@ -69,7 +69,7 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
         timeline.attach(wrapped)  # collective: aligns the ranks' clocks
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup_steps))
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
-    fsdp = cfg.strategy == "fsdp"
+    fsdp = strategies.is_fsdp(cfg.strategy)
     saved = wrapped if fsdp else model  # FSDP saves its shards (DCP); DDP the unwrapped module
     # built-in data keep their fixed order (sample i is the same for any world size); a
     # dataset of yours is shuffled by DistributedSampler, seeded, a new order each epoch

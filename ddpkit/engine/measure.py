@@ -13,7 +13,9 @@ frees the gradients). The schedules, each with its reason:
   measures, so steps 0 (the optimizer state is made) and 1 (DDP rebuilds its buckets), every
   ``peak_every`` steps after, and the step a change lands (CUDA's counter is free: every
   step); the activation probe reads on those steps too (the peak's ledger names what it saved);
-* all-reduce calls and bytes, and the step's time: every step;
+* all-reduce calls and bytes (DDP's comm hook), every collective of the step
+  (`collectives.CollectiveCounter`: ``comm_bytes``, ``comm_by_op``, ``comm_calls``), and the
+  step's time: every step;
 * the timeline (`timeline.TimelineProbe`): its hooks on the steps ``timeline_every`` picks.
 
 Make it before the model is built: the peak probe counts what is allocated after it.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from .collectives import CollectiveCounter
 from .memory import PeakProbe, cuda_history
 from .probes import ActivationProbe, StepTimer, state_bytes
 
@@ -39,6 +42,7 @@ class Measure:
         self.peak = PeakProbe(device) if "peak" in probes else None  # first: it counts after
         self.acts = ActivationProbe() if "activations" in probes else None
         self.timer = StepTimer(device)
+        self.collectives = CollectiveCounter() if "comm" in probes else None
         self.cuda = device.type == "cuda"
         self.cfg, self.rank, self.comm, self.first, self.timeline = cfg, rank, None, 0, None
         self.every = cfg.peak_every
@@ -84,8 +88,21 @@ class Measure:
         peak = self.peak.step(model, optimizer, self.comm.bucket_buffers if self.comm else None,
                               acts) if self._peak else contextlib.nullcontext()
         tl = self.timeline.step(step, model, optimizer) if self.timeline else contextlib.nullcontext()
-        with self.timer.time(), peak, self._history(step), tl:
+        with self.timer.time(), peak, self._history(step), tl, self._collectives():
             yield acts
+
+    @contextlib.contextmanager
+    def _collectives(self):
+        """Every collective issued inside the step, on any thread (`CollectiveCounter`)."""
+        if self.collectives is None:
+            yield
+            return
+        self.collectives.reset()
+        self.collectives.start()
+        try:
+            yield
+        finally:
+            self.collectives.stop()
 
     def _history(self, step):
         """``TrainConfig.memory_snapshot``: the allocator's history of step 1, on CUDA."""
@@ -109,6 +126,10 @@ class Measure:
                        data_bytes=self.peak.data_bytes)
         if self.comm is not None:
             out.update(allreduce_calls=self.comm.calls, allreduce_bytes=self.comm.bytes)
+        if self.collectives is not None:
+            out.update(self.collectives.record_fields())
+            if self.comm is not None and self.comm.bytes is None:  # PowerSGD: sizes vary
+                out["allreduce_bytes"] = self.collectives.payload.get("allreduce", 0)
         if self.timeline is not None:
             out.update(self.timeline.record_fields())
         return out

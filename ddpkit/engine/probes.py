@@ -138,18 +138,21 @@ def optimizer_state_bytes(optimizer):
 
 class CommCounter:
     """Counts the all-reduces DDP issues and the bytes they carry. ``install(ddp_model)``
-    registers the hook. ``compress``: torch's fp16/bf16 compression hook to wrap instead of the
-    plain all-reduce (each element then travels as 2 bytes)."""
+    registers the hook. ``compress``: a compression hook ``(state, bucket) -> Future`` to wrap
+    instead of the plain all-reduce; ``element_bytes``: what each element then travels as (2
+    for torch's fp16/bf16 hooks; None where the hook's sizes vary, as PowerSGD's: ``bytes`` is
+    then None and the step's record takes them from `collectives.CollectiveCounter`)."""
 
-    def __init__(self, compress=None, watch=None):
+    def __init__(self, compress=None, element_bytes=None, watch=None):
         self.calls = 0
-        self.bytes = 0
-        self.compress = compress
+        self.bytes = 0 if compress is None or element_bytes else None
+        self.compress, self.element_bytes = compress, element_bytes
         self.watch = watch  # (bucket, nbytes, launch) -> future: the timeline's observer
         self.buckets = {}  # bucket index -> (data address, bytes) of DDP's flat buffer
 
     def reset(self):
-        self.calls = self.bytes = 0
+        self.calls = 0
+        self.bytes = None if self.bytes is None else 0
 
     @staticmethod
     def _hook(state, bucket):
@@ -158,12 +161,13 @@ class CommCounter:
         st = buf.untyped_storage()
         state.buckets[bucket.index()] = (st.data_ptr(), st.nbytes())
         if state.compress is not None:
-            nbytes = buf.numel() * 2
+            nbytes = buf.numel() * state.element_bytes if state.element_bytes else None
             launch = lambda: state.compress(None, bucket)  # noqa: E731
         else:
             nbytes = buf.numel() * buf.element_size()
             launch = lambda: default_hooks.allreduce_hook(None, bucket)  # noqa: E731 (None: the default group)
-        state.bytes += nbytes
+        if nbytes is not None:
+            state.bytes += nbytes
         return launch() if state.watch is None else state.watch(bucket, nbytes, launch)
 
     def bucket_buffers(self):

@@ -101,7 +101,10 @@ def call_factory(spec):
 
 
 def is_causal_lm(model):
-    """A Hugging Face causal language model (it takes input_ids and labels, returns .loss)."""
+    """A Hugging Face causal language model (it takes input_ids and labels, returns .loss);
+    also wrapped by peft (``get_peft_model``: its forward passes both on to the base model)."""
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+        model = model.get_base_model()
     name = type(model).__name__
     return (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")) and \
         hasattr(getattr(model, "config", None), "vocab_size")

@@ -88,9 +88,12 @@ def summarize(metrics):
                                           if m["step"] == m0[-1]["step"]),
            "step_time_s": statistics.median(m["step_time_s"] for m in steady),
            "step_time_iqr_s": _iqr([m["step_time_s"] for m in steady])}
-    for key in ("activation_bytes", "allreduce_calls", "allreduce_bytes", "optimizer_bytes"):
-        if key in m0[0]:
+    for key in ("activation_bytes", "allreduce_calls", "allreduce_bytes", "optimizer_bytes",
+                "comm_bytes"):
+        if key in m0[0] and m0[0][key] is not None:
             out[key] = statistics.median(m[key] for m in steady)
+    if "comm_by_op" in m0[-1]:
+        out["comm_by_op"] = m0[-1]["comm_by_op"]  # the last step's: the steady state
     if peaks:
         out["peak_bytes"] = max(peaks)
     return out
@@ -181,8 +184,8 @@ def recompute_flops_ratio(cfg):
 
 
 SWEEP_COLUMNS = ("final_loss", "step_time_ms", "step_time_iqr_ms", "activation_bytes",
-                 "predicted_activation_bytes", "peak_bytes", "allreduce_calls",
-                 "recompute_flops_ratio", "result")
+                 "predicted_activation_bytes", "peak_bytes", "allreduce_calls", "comm_bytes",
+                 "comm_by_op", "recompute_flops_ratio", "result")
 
 
 def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
@@ -194,6 +197,8 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
     steps after the first) and ``step_time_iqr_ms`` (their interquartile range: run more
     ``steps`` when it is wide); ``activation_bytes`` (measured) and
     ``predicted_activation_bytes`` (`ddpkit.estimate`); ``peak_bytes``; ``allreduce_calls``;
+    ``comm_bytes`` (median bytes a rank sent per step, every collective) and ``comm_by_op``
+    (the last step's, by collective);
     ``recompute_flops_ratio`` (FLOPs over those without checkpointing, counted, not timed); and
     ``result``, the run's `TrainResult` (``df.result[0].per_rank("loss")``).
     `ddpkit.tradeoff(df)` draws memory against recompute and step time.
@@ -239,6 +244,8 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
                          "predicted_activation_bytes": estimate(c).activations,
                          "peak_bytes": int(s.get("peak_bytes", 0)),
                          "allreduce_calls": int(s.get("allreduce_calls", 0)),
+                         "comm_bytes": int(s.get("comm_bytes", 0)),
+                         "comm_by_op": s.get("comm_by_op", {}),
                          "recompute_flops_ratio": round(recompute_flops_ratio(c), 4),
                          "result": res})
     finally:

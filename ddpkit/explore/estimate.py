@@ -204,8 +204,16 @@ def optimizer_bytes(cfg, n_params):
     if cfg.optimizer == "sgd":
         return 0  # plain SGD (no momentum) keeps no state
     adam = 2 * n_params * F32  # exp_avg and exp_avg_sq
-    sharded = cfg.optimizer == "zero1" or cfg.strategy in ("ddp_zero1", "fsdp")
+    if cfg.strategy == "hsdp":
+        return adam // cfg.shard_size
+    sharded = cfg.optimizer == "zero1" or cfg.strategy in ("ddp_zero1", "zero2", "fsdp")
     return adam // cfg.world_size if sharded else adam
+
+
+def state_shards(cfg):
+    """Over how many ranks parameters and gradients are sharded (between steps)."""
+    return {"zero2": cfg.world_size, "fsdp": cfg.world_size,
+            "hsdp": cfg.shard_size}.get(cfg.strategy, 1)
 
 
 def estimate(cfg) -> Estimate:
@@ -214,7 +222,8 @@ def estimate(cfg) -> Estimate:
     Model states follow the ZeRO paper with this kit's dtypes (fp32 weights, fp32 gradients,
     two fp32 Adam moments: 4 + 4 + 8 = 16 bytes per parameter Psi): DDP keeps all 16 Psi on every
     rank; ZeRO-1 (``ddp_zero1``) shards the optimizer: 8 Psi + 8 Psi / N; FSDP (ZeRO-3) shards
-    everything: 16 Psi / N (FSDP2 chunks each parameter along dim 0, so shards can be uneven by a
+    everything: 16 Psi / N; ZeRO-2 (``zero2``) as FSDP between steps (FSDP2 frees the gathered
+    parameters after backward; the paper keeps them: 4 Psi more); HSDP: 16 Psi / shard_size (FSDP2 chunks each parameter along dim 0, so shards can be uneven by a
     few bytes: a 1-row weight lives whole on rank 0; they add up to exactly one copy).
     Activations: first principles for the built-in models, a FakeTensorMode trace for yours.
     """
@@ -223,7 +232,7 @@ def estimate(cfg) -> Estimate:
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"estimate() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
                         f"build one with ddpkit.TrainConfig(model=..., ...)")
-    shards = cfg.world_size if cfg.strategy == "fsdp" else 1
+    shards = state_shards(cfg)
     if _by_formula(cfg):
         n = param_count(cfg)
         _, block, boundary = activation_parts(cfg)
@@ -235,8 +244,8 @@ def estimate(cfg) -> Estimate:
     t = traced(cfg)
     costs = [BlockCost(name, keeps, boundary, flops) for name, keeps, boundary, flops
              in zip(t.block_names, t.block_keeps, t.block_boundary, t.block_flops)]
-    return Estimate(params=t.param_bytes // shards, grads=t.param_bytes // shards,
-                    optimizer=optimizer_bytes(cfg, t.param_bytes // F32),
+    return Estimate(params=t.param_bytes // shards, grads=t.trainable_bytes // shards,
+                    optimizer=optimizer_bytes(cfg, t.trainable_bytes // F32),
                     activations=trace_activations(cfg), blocks=costs, method="traced",
                     activation_per_block=max(t.block_keeps), boundary=max(t.block_boundary),
                     config=cfg)

@@ -191,3 +191,4 @@ class _FirstLayout:
 
     def _rebuild_buckets(self):
         return False
+

@@ -8,7 +8,8 @@ from .units import fmt_bytes
 
 COLUMNS = [("run", "run"), ("status", "status"), ("steps_done", "steps"),
            ("final_loss", "final loss"), ("peak_bytes", "peak"),
-           ("activation_bytes", "activations"), ("step_time_s", "step ms"), ("wall_s", "wall s"),
+           ("activation_bytes", "activations"), ("comm_bytes", "sent/step"),
+           ("step_time_s", "step ms"), ("wall_s", "wall s"),
            ("changes", "changes")]
 
 
@@ -24,13 +25,15 @@ def history_row(index, cfg, handle, metrics, wall_s):
             "final_loss": s.get("final_loss"), "peak_bytes": s.get("peak_bytes"),
             # the last step's, not the median: checkpointing may have changed mid-run
             "activation_bytes": m0[-1].get("activation_bytes") if m0 else None,
+            # bytes this rank sent in its last step, every collective (engine/collectives.py)
+            "comm_bytes": m0[-1].get("comm_bytes") if m0 else None,
             "step_time_s": s.get("step_time_s"), "wall_s": round(wall_s, 3),
             "changes": [(m["step"], m["changed"]) for m in m0 if m.get("changed")],
             "config": cfg.to_dict(), "error": str(error) if error else None}
 
 
 def _cell(column, value):
-    if column in ("peak_bytes", "activation_bytes"):
+    if column in ("peak_bytes", "activation_bytes", "comm_bytes"):
         return fmt_bytes(value)
     if column == "step_time_s" and value is not None:
         return f"{1000 * value:.2f}"

@@ -282,7 +282,7 @@ def _plus(peak, extra):
 
 
 def _premade_mesh(cfg, ctx):
-    return None if cfg.strategy != "fsdp" else strategies.fsdp_mesh(ctx.device.type)
+    return strategies.fsdp_mesh(ctx.device.type, cfg) if strategies.is_fsdp(cfg.strategy) else None
 
 
 def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real_transformers):

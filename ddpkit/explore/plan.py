@@ -42,6 +42,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..engine.memory import TIE
+from ..engine import strategies
 from ..engine.policies import CheckpointSetting
 from .gpus import (ALLOCATOR_RESERVE, CUDA_CONTEXT, GPUS, budget_bytes, gpu_name,  # noqa: F401
                    parse_bytes, usable_bytes)
@@ -311,13 +312,14 @@ def _alternatives(cfg, budget):
     lower of no checkpointing and every block checkpointed): gradients in DDP's buckets,
     ZeRO-1, FSDP, and a smaller micro-batch with more accumulation (same global batch)."""
     tries = []
-    if cfg.strategy != "fsdp" and not cfg.gradient_as_bucket_view:
+    fsdp = strategies.is_fsdp(cfg.strategy)  # zero2, fsdp, hsdp: FSDP2, no DDP buckets
+    if not fsdp and not cfg.gradient_as_bucket_view:
         tries.append(("gradient_as_bucket_view=True (gradients live in DDP's buckets: one "
                       "copy fewer)", dict(gradient_as_bucket_view=True)))
     if cfg.strategy == "ddp" and cfg.optimizer != "sgd":
         tries.append(("strategy='ddp_zero1' (optimizer state sharded)",
                       dict(strategy="ddp_zero1", optimizer="adamw")))
-    if cfg.strategy != "fsdp":
+    if cfg.strategy != "fsdp" and cfg.strategy != "hsdp":
         tries.append(("strategy='fsdp' (params, grads, optimizer sharded)",
                       dict(strategy="fsdp", optimizer="adamw" if cfg.optimizer == "zero1"
                            else cfg.optimizer)))

@@ -162,6 +162,9 @@ class Traced:
         self.block_boundary = [inputs.get(i, 0) for i in range(len(self.blocks))]
         self.block_flops = [sum(counts.get(f"{root}.{n}", {}).values()) for n in names]
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # gradients and optimizer state exist for trainable parameters only (LoRA: adapters)
+        self.trainable_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()
+                                   if p.requires_grad)
 
     def _carry(self):
         """The traced blocks' figures carried to all N (the first, the middle one's, the last)."""
@@ -172,6 +175,8 @@ class Traced:
         block_params = [sum(p.numel() * p.element_size() for p in b.parameters())
                         for b in self.blocks]
         self.param_bytes += (n - k) * block_params[1]
+        self.trainable_bytes += (n - k) * sum(p.numel() * p.element_size()
+                                              for p in self.blocks[1].parameters() if p.requires_grad)
         total, per_module = self._counted_flops(CheckpointSetting(None, k))
         root, middle = type(self.model).__name__, self.block_names[1]
         self.plain_flops = total + (n - k) * per_module[f"{root}.{middle}"]

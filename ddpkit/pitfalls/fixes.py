@@ -17,3 +17,7 @@ RANDOM_IN_RECOMPUTE = ("draw random decisions from torch's RNG (torch.rand; rest
 SYNCBATCHNORM_CPU = ("convert_sync_batchnorm only when the ranks run on GPUs; on CPU keep plain "
                      "BatchNorm (each rank normalises with its own batch; DDP broadcasts rank "
                      "0's running statistics each forward), or use GroupNorm/LayerNorm")
+LORA_REENTRANT = ("pass use_reentrant=False (the recompute's graph needs no input that requires "
+                  "grad), or call model.enable_input_require_grads() before training (a hook "
+                  "that makes the frozen embeddings' output require grad, as transformers' own "
+                  "gradient_checkpointing_enable and peft's prepare_model_for_kbit_training do)")

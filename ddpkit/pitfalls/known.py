@@ -144,6 +144,19 @@ _CATALOG = [
             "entry, on a real model)",
             "use_reentrant=False in those kwargs (transformers 5's default; 4.x passed True), "
             "or find_unused_parameters=False (GPT-2 uses every parameter)", silent=False),
+    Pitfall("lora_reentrant_no_input_grad",
+            "LoRA (peft) adapters inside blocks checkpointed with use_reentrant=True",
+            "torch warns 'None of the inputs have requires_grad=True. Gradients will be None'; "
+            "the adapters in the checkpointed blocks get no gradient, and under DDP the next "
+            "step raises 'Expected to have finished reduction in the prior iteration' (with "
+            "find_unused_parameters=True it runs on, the adapters never training)",
+            "get_peft_model freezes the whole base model, embeddings included, so the hidden "
+            "states entering the first block require no grad; a reentrant checkpoint "
+            "backpropagates only into inputs that require grad, so the block's backward (and "
+            "its adapters' gradients) never runs. transformers' own checkpointing avoids it by "
+            "calling enable_input_require_grads(); torch's checkpoint (ddpkit's checkpoint=, "
+            "torch's checkpoint_wrapper) does not",
+            fixes.LORA_REENTRANT, silent=False),
     Pitfall("no_sync_backward_only",
             "no_sync() around the backward only, not the forward",
             "accumulation runs and the weights are right, but every micro-batch still pays a "

@@ -173,7 +173,7 @@ def segment_input_no_grad(case):
     for seg_name, mods in case.segments:
         if case.use_reentrant and not all(case.obs["seg_inputs"].get(seg_name, [True])):
             names = {n for n, p in case.params if any(p is q for m in mods for q in m.parameters())}
-            lost = names & case.no_grad
+            lost = (names & case.no_grad) - case.explained
             if lost:
                 case.explained |= lost
                 out.append(Finding(
@@ -280,9 +280,21 @@ def unused_parameters(case):
     return []
 
 
-# in teaching order; the two input_no_grad rules run before unused_parameters (``explained``)
-RULES = (python_random_in_recompute, default_use_reentrant, segment_input_no_grad,
-         own_checkpoint_input_no_grad, shared_module, hidden_from_find_unused,
+def frozen_base_input_no_grad(case):
+    """The two rules above on a fine-tuned model (a frozen base with trainable adapters, as
+    peft's LoRA leaves it): the same fault, with the fix for adapters (LoRA's entry)."""
+    if all(p.requires_grad for p in case.model.parameters()):
+        return []
+    found = segment_input_no_grad(case) + own_checkpoint_input_no_grad(case)
+    return [Finding("lora_reentrant_no_input_grad", f.where,
+                    f.message + "; the base model is frozen (embeddings included), so nothing "
+                    "entering the block requires grad: its adapters never train",
+                    fixes.LORA_REENTRANT) for f in found]
+
+
+# in teaching order; the input_no_grad rules run before unused_parameters (``explained``)
+RULES = (python_random_in_recompute, default_use_reentrant, frozen_base_input_no_grad,
+         segment_input_no_grad, own_checkpoint_input_no_grad, shared_module, hidden_from_find_unused,
          batchnorm_recomputed, dropout_without_rng_state, unused_parameters)
 
 

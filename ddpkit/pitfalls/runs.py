@@ -27,7 +27,7 @@ from .doctor import doctor
 from .ranks import (BNNet, BranchNet, CkptNet, DropNet, LayerDropNet, batch, build, gpt2_tokens,
                     hf_checkpointing, rank_accum_loop, rank_accumulate, rank_batchnorm,
                     rank_default_reentrant, rank_dropout, rank_exception, rank_hf,
-                    rank_input_no_grad, rank_nosync_static, rank_recompute, rank_state_dict,
+                    rank_input_no_grad, rank_lora, tiny_lora_gpt2, rank_nosync_static, rank_recompute, rank_state_dict,
                     rank_static_branch, rank_syncbn, rank_uneven, rank_unused, rank_variants,
                     tiny_gpt2)
 from .scripts import fork_after_cuda, notebook_spawn
@@ -228,6 +228,44 @@ def _hf_spec(fixed):
             {} if fixed else {"find_unused_parameters": True})
 
 
+def _peft_missing():
+    try:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return f"needs the peft and transformers packages (pip install 'ddpkit[hf]'): {exc}"
+    return None
+
+
+_LORA_BROKEN = {"use_reentrant=True": (True, False)}
+_LORA_FIXES = {"use_reentrant=False": (False, False),
+               "enable_input_require_grads()": (True, True)}
+
+
+def _lora(lab, fixed):
+    missing = _peft_missing()
+    if missing:
+        return dict(skipped=missing)
+    run = lab.launch(rank_lora, _LORA_FIXES if fixed else _LORA_BROKEN, fresh=not fixed)
+    if fixed:
+        return _outcome(run)
+    first = next((m for m in run.metrics if m.get("step") == 0 and "torch_warned" in m), {})
+    return _outcome(run, {k: first.get(k) for k in ("torch_warned", "adapters_without_grad")})
+
+
+def _lora_spec(fixed):
+    """The LoRA GPT-2, its first block checkpointed as on the ranks (broken: reentrant)."""
+    if _peft_missing():
+        return None
+    from ..engine.policies import CheckpointSetting
+
+    model = tiny_lora_gpt2().train()
+    CheckpointSetting.of(2, 2).build(use_reentrant=not fixed).apply(
+        model, "base_model.model.transformer.h")
+    ids = gpt2_tokens(0, 0)
+    return model, lambda m: m(input_ids=ids, labels=ids).loss, {}
+
+
 def _recompute_spec(fixed):
     random.seed(10)  # as on the ranks (run() puts the kernel's random state back)
     # doctor sees one step, and in this one the layer runs: without find_unused_parameters
@@ -275,6 +313,7 @@ _SPECS = {
     "fork_after_cuda": (fork_after_cuda, None),
     "notebook_fn_spawn": (notebook_spawn, None),
     "hf_reentrant_find_unused": (_hf, _hf_spec),
+    "lora_reentrant_no_input_grad": (_lora, _lora_spec),
     "no_sync_backward_only": (
         _on_pool(rank_accum_loop, ("backward_only", False), ("backward_only", True)), _PLAIN),
     "no_sync_last_too": (
