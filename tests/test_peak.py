@@ -26,13 +26,17 @@ def check_against_prediction(cfg, res, within=0.03):
     the same phase, each ledger adding up to its peak."""
     est = ddpkit.estimate(cfg)
     rows = probed(res)
+    # FSDP on gloo: a reduce-scatter runs asynchronously and may hold its buffers a moment
+    # longer than the simulation's fake group, which returns at once: up to ~7% above after
+    # step 0 on a loaded machine (never below)
+    above = 0.10 if cfg.strategy == "fsdp" else within
     assert {m["step"] for m in rows} == set(range(cfg.steps))  # peak_every=1: every step
     for m in rows:
         assert sum(m["peak_ledger"].values()) == m["peak_bytes"]
         assert set(m["peak_ledger"]) == set(KINDS) and m["peak_phase"] in PHASES
         p = est.peak(step=min(m["step"], 1), rank=m["rank"])
         assert sum(p.ledger.values()) == p.bytes
-        assert abs(m["peak_bytes"] - p.bytes) <= within * m["peak_bytes"], (m, p)
+        assert -within * m["peak_bytes"] <= m["peak_bytes"] - p.bytes <= above * m["peak_bytes"], (m, p)
         assert m["peak_phase"] == p.phase, (m["step"], m["peak_by_phase"], p.by_phase)
     return rows
 

@@ -229,7 +229,7 @@ class TimelineProbe:
     @contextmanager
     def step(self, step, model, optimizer):
         """Around one optimizer step; records when ``step`` is probed. ``model``: the plain
-        module (its blocks in ``model._ddpkit_blocks`` when a policy found them)."""
+        module (its blocks in ``model._ddpkit_blocks``, the stacks a policy found, in order)."""
         read_after = self._read_next  # DDP logs an iteration's timers at the next synced forward
         if not self.probed(step):
             yield self
@@ -316,7 +316,8 @@ class TimelineProbe:
 
         handles.append(model.register_forward_pre_hook(model_pre))
         handles.append(model.register_forward_hook(model_post))
-        for i, block in enumerate(getattr(model, "_ddpkit_blocks", None) or ()):
+        stacks = getattr(model, "_ddpkit_blocks", None) or ()  # the stacks a policy found
+        for i, block in enumerate(b for stack in stacks for b in stack):
             handles.append(block.register_forward_pre_hook(self._block_pre(i, state)))
             handles.append(block.register_forward_hook(self._block_post(i, state)))
         policy = getattr(model, "checkpoint_policy", None)
