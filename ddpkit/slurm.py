@@ -42,8 +42,9 @@ def sbatch_script(cli, nodes, gpus_per_node, nproc_per_node, time, partition, ac
     lines += [f"#SBATCH --{k}={v}" for k, v in (("partition", partition), ("account", account)) if v]
     # the set-up first: `module load` and some activate scripts read unset variables
     lines += [*([setup] if setup else []), "set -euo pipefail",
-              "# torchrun's c10d rendezvous listens on the allocation's first node",
-              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
+              "# torchrun's c10d rendezvous listens on the allocation's first node (sed reads",
+              "# every line: `head -n 1` may close the pipe early, and pipefail then ends the job)",
+              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)']
     train = " ".join(shlex.quote(a) for a in cli) + (f' --json "{json}"' if json else "")
     lines.append(f'srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {nproc_per_node} '
                  f'--rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head:{port}" '
