@@ -5,6 +5,7 @@ import pytest
 import ddpkit
 import fixtures_module as fm
 from ddpkit.engine.memory import KINDS, PHASES
+from ddpkit.engine.strategies import FSDP_STRATEGIES
 
 CPU = dict(backend="gloo", device="cpu")
 BASE = dict(model="gpt", n_blocks=3, width=64, seq_len=32, vocab=256, world_size=2,
@@ -26,10 +27,10 @@ def check_against_prediction(cfg, res, within=0.03):
     the same phase, each ledger adding up to its peak."""
     est = ddpkit.estimate(cfg)
     rows = probed(res)
-    # FSDP on gloo: a reduce-scatter runs asynchronously and may hold its buffers a moment
-    # longer than the simulation's fake group, which returns at once: up to ~7% above after
-    # step 0 on a loaded machine (never below)
-    above = 0.10 if cfg.strategy == "fsdp" else within
+    # FSDP2 on gloo (fsdp, zero2, hsdp): a reduce-scatter runs asynchronously and may hold its
+    # buffers a moment longer than the simulation's fake group, which returns at once: seen up
+    # to ~7% above on a loaded machine (never below)
+    above = 0.10 if cfg.strategy in FSDP_STRATEGIES else within
     assert {m["step"] for m in rows} == set(range(cfg.steps))  # peak_every=1: every step
     for m in rows:
         assert sum(m["peak_ledger"].values()) == m["peak_bytes"]
