@@ -79,11 +79,11 @@ class TrainResult:
 
 def summarize(metrics):
     """A run's records in a few figures: medians over rank 0's steps after the first (which
-    pays one-off costs), the final loss over all ranks, the highest peak. Shared by
+    pays one-off costs), the final loss over all ranks, the highest peak of any rank. Shared by
     `TrainResult.summary` and the Lab's history."""
     m0 = [m for m in metrics if m["rank"] == 0]
     steady = m0[1:] or m0
-    peaks = [m["peak_bytes"] for m in m0 if "peak_bytes" in m]
+    peaks = [m["peak_bytes"] for m in metrics if "peak_bytes" in m]  # every rank's: the answer
     out = {"final_loss": statistics.fmean(m["loss"] for m in metrics
                                           if m["step"] == m0[-1]["step"]),
            "step_time_s": statistics.median(m["step_time_s"] for m in steady),
