@@ -109,17 +109,16 @@ def test_zero2_and_hsdp_end_with_the_weights_of_ddp(runs, ws, strategy):
 
 @pytest.mark.parametrize("ws, strategy", [(2, "zero2"), (4, "hsdp")])
 def test_simulated_peak_is_the_measured_one(runs, ws, strategy):
+    # both run on FSDP2: on gloo its reduce-scatter completes asynchronously and may hold its
+    # buffers past the simulated moment (the fake group returns at once), so the measured peak
+    # may sit above (+3.8% seen in CI; locally a backward peak above the simulation's optimizer
+    # peak), never more than 3% below; tests/test_peak.py allows the same
+    assert strategy in FSDP_STRATEGIES
     res = runs[ws, strategy]
     est = ddpkit.estimate(res.config)
     for m in res.metrics:
         if "peak_bytes" in m and m["step"] in (0, 1):
             want = est.peak(step=m["step"], rank=m["rank"]).bytes
-            # both run on FSDP2: on gloo its reduce-scatter completes asynchronously and may
-            # hold its buffers past the simulated moment (the fake group returns at once), so
-            # the measured peak may sit above (+3.8% seen in CI, a backward peak where the
-            # simulation's is the optimizer's), never more than 3% below; tests/test_peak.py
-            # allows the same
-            assert strategy in FSDP_STRATEGIES
             assert -0.03 * want <= m["peak_bytes"] - want <= 0.10 * want, (m["rank"], m["step"])
 
 
