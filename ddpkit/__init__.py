@@ -12,7 +12,7 @@ Light at import: rank processes import this package too, so the notebook-only pa
 from .errors import RankError, RankStalled, TraceError
 from .runtime.handle import RunHandle, RunResult
 from .runtime.launch import launch
-from .runtime.pool import Pool
+from .runtime.pool import Pool, shutdown
 from .config import TrainConfig
 from .explore.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import
@@ -36,6 +36,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError", "RankStalled", "RunHandle",
-           "RunResult", "TraceError", "TrainConfig", "TrainResult", "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan",
+__all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError",
+           "RankStalled", "RunHandle", "RunResult", "TraceError", "TrainConfig", "TrainResult",
+           "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan", "shutdown",
            "sweep", "train"]

@@ -6,6 +6,21 @@ import pytest
 from procs import rank_children
 
 
+@pytest.fixture(autouse=True, scope="session")
+def shared_pools_end_with_the_session():
+    """The shared warm pools serve every test (as they serve every cell of a notebook); at the
+    end, `ddpkit.shutdown()` must leave no process."""
+    yield
+    import ddpkit
+
+    ddpkit.shutdown()
+    deadline = time.monotonic() + 5
+    while rank_children(shared=True) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = rank_children(shared=True)
+    assert not left, f"processes left after ddpkit.shutdown(): {left}"
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
     """Every test must leave no rank process (nor zombie) behind."""

@@ -5,13 +5,18 @@ import socket
 import psutil
 
 
-def rank_children():
+def rank_children(shared=False):
     """Child processes of this test process, leaving out multiprocessing's one resource tracker
-    (started once per interpreter by the first spawn, not per run)."""
+    (started once per interpreter by the first spawn, not per run) and, unless ``shared``, the
+    ranks of the kernel's shared warm pools (`ddpkit.train`'s default: they stay warm between
+    tests by design; the session's end checks that `ddpkit.shutdown` ends them)."""
+    from ddpkit.runtime.pool import shared_pids
+
+    warm = set() if shared else shared_pids()
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
+            if "resource_tracker" not in " ".join(p.cmdline()) and p.pid not in warm:
                 out.append(p)
         except psutil.NoSuchProcess:
             pass

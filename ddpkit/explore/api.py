@@ -17,6 +17,7 @@ from ..engine import saving
 from ..engine.data import make_dataset
 from ..engine.loop import train_rank
 from ..runtime.launch import launch
+from ..runtime.pool import Pool, launch_shared
 
 
 @dataclass
@@ -109,8 +110,11 @@ def _iqr(values):
 
 def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, resume_from=None,
           check=True, **launch_kw):
-    """Train ``cfg`` on ``cfg.world_size`` ranks (spawned, or a warm ``pool``).
+    """Train ``cfg`` on ``cfg.world_size`` ranks.
 
+    pool: None (the default) runs on the kernel's shared warm pool for these ranks (started on
+    first use, a fresh launch while it is busy with another run; `ddpkit.shutdown` ends it);
+    False launches fresh ranks for this run alone; a `ddpkit.Pool` runs on that pool.
     resume_from: a save_dir (resumes from its latest complete checkpoint) or a checkpoint
     folder; the run continues at the step after it, with the same data, RNG and optimizer.
     check: run `ddpkit.doctor` on the config first (one forward/backward on this process, about
@@ -122,8 +126,14 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
                         f"build one with ddpkit.TrainConfig(...)")
     kw = dict(on_metric=on_metric, block=block, stall_timeout_s=cfg.stall_timeout_s,
               seed=cfg.seed, **launch_kw)
-    if pool is None:
+    if pool is None or pool is True:
+        # a port of your choosing is one launch's own: shared ranks already have theirs
+        pool = False if "port" in launch_kw else None
+    if pool is None or pool is False:
         kw.update(world_size=cfg.world_size, backend=cfg.backend, device=cfg.device)
+    elif not isinstance(pool, Pool):
+        raise TypeError(f"pool={pool!r}: pass None (the shared warm pool), False (fresh ranks) "
+                        f"or a ddpkit.Pool")
     elif pool.world_size != cfg.world_size:
         raise ValueError(f"TrainConfig.world_size={cfg.world_size} but the pool has "
                          f"{pool.world_size} ranks; pass a matching pool or pool=None")
@@ -138,7 +148,10 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
         resume_from = str(saving.check_resume(cfg, resume_from))
     preflight(cfg)
     findings = check_config(cfg) if check else []
-    run = launch(train_rank, cfg, live=live, pool=pool, resume_from=resume_from, **kw)
+    if pool is None:
+        run = launch_shared(train_rank, cfg, live=live, resume_from=resume_from, **kw)
+    else:
+        run = launch(train_rank, cfg, live=live, pool=pool or None, resume_from=resume_from, **kw)
     if not block:
         run.findings = findings
         return run
@@ -204,13 +217,14 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
     `ddpkit.tradeoff(df)` draws memory against recompute and step time.
 
     progress: a ``tqdm.auto`` bar over every setting's steps (a widget in a notebook, a text bar
-    on stderr elsewhere); False for none.
+    on stderr elsewhere); False for none. pool: None (the default) runs every setting on the
+    kernel's shared warm pools; False launches fresh ranks for each; a `ddpkit.Pool` serves the
+    settings of its world size, backend and device.
     """
     import pandas as pd
 
     from .estimate import estimate
     from ..devices import resolve_devices
-    from ..runtime.pool import Pool
 
     for name, values in grid.items():
         if name not in cfg.to_dict():
@@ -219,22 +233,20 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
             raise ValueError(f"sweep: {name}= needs a non-empty list of values, got {values!r}")
     combos = [dict(zip(grid, vals)) for vals in itertools.product(*grid.values())]
     configs = [cfg.replace(**c) for c in combos]  # all checked before anything runs
-    pools = {}  # one warm pool per (world size, backend, device) the grid asks for
-    if pool is not None:
-        pools[(pool.world_size, pool.backend, pool.device)] = pool
-    given = set(pools.values())
+    given = {}  # a pool passed in serves its (world size, backend, device); the rest run on
+    if isinstance(pool, Pool):  # the kernel's shared pools (or fresh ranks with pool=False)
+        given[(pool.world_size, pool.backend, pool.device)] = pool
     rows = []
     bar = _sweep_bar(progress, sum(c.steps for c in configs))
     try:
         for combo, c in zip(combos, configs):
             key = (c.world_size, *resolve_devices(c.world_size, c.backend, c.device))
-            if key not in pools:
-                pools[key] = Pool(*key)
+            run_on = given.get(key, False if pool is False else None)
             label = ", ".join(f"{k}={_label(k, v, c)}" for k, v in combo.items())
             if bar is not None:  # a new setting: no loss shown until its own first step lands
                 bar.set_postfix_str("", refresh=False)
                 bar.set_description(label)
-            res = train(c, pool=pools[key], on_metric=_bar_updater(bar))
+            res = train(c, pool=run_on, on_metric=_bar_updater(bar))
             s = res.summary()
             rows.append({**{k: _label(k, v, c) for k, v in combo.items()},
                          "final_loss": s["final_loss"],
@@ -251,9 +263,6 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
     finally:
         if bar is not None:
             bar.close()
-        for p in pools.values():
-            if p not in given:
-                p.close()
     return pd.DataFrame(rows, columns=[*grid, *SWEEP_COLUMNS])
 
 

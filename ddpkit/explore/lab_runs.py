@@ -1,5 +1,5 @@
-"""What the Lab runs on: one warm `Pool` (replaced when the world size changes, closed with
-the Lab), and `ddpkit.doctor`'s look at each config before its run: its warnings in a yellow
+"""What the Lab runs on: the kernel's shared warm pool for its world size (the one `train`
+uses; fresh ranks while that pool runs something else), and `ddpkit.doctor`'s look at each config before its run: its warnings in a yellow
 banner, its notes in a quiet line."""
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ class LabRunner:
         self.findings = []
 
     def pool_for(self, cfg):
-        """A warm pool of ``cfg.world_size`` ranks (the last one, if it fits)."""
-        from ..runtime.pool import Pool
+        """The shared warm pool of ``cfg.world_size`` ranks, started now if it is not up (so
+        the doctor's look and the plots' reset overlap the ranks' start)."""
+        from ..runtime.pool import shared_pool
 
-        if self.pool is None or self.pool.world_size != cfg.world_size:
-            if self.pool is not None:
-                self.pool.close()
-            self.pool = Pool(cfg.world_size, cfg.backend, cfg.device)
+        self.pool = shared_pool(cfg.world_size, cfg.backend, cfg.device)
+        if not self.pool.busy:
+            self.pool.warm()
         return self.pool
 
     def check(self, cfg):
@@ -39,13 +39,14 @@ class LabRunner:
         """Start ``cfg`` on the warm pool, live (mid-run changes), without blocking."""
         from .api import train
 
-        return train(cfg, pool=self.pool_for(cfg), block=False, live=True, check=False,
+        self.pool_for(cfg)
+        return train(cfg, pool=None, block=False, live=True, check=False,
                      on_metric=on_metric, on_output=on_output)
 
     def close(self):
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        """The Lab lets go of the shared pool: its ranks stay warm for the kernel's next run
+        until they have been idle ``DDPKIT_POOL_IDLE_S`` seconds, or `ddpkit.shutdown()`."""
+        self.pool = None
 
 
 def _item(f):

@@ -158,7 +158,8 @@ class Lab:
         return self.wait()
 
     def close(self):
-        """Stop any run and end the lab's warm ranks."""
+        """Stop any run and let go of the warm ranks: they are the kernel's shared pool, kept
+        for the next run until idle ``DDPKIT_POOL_IDLE_S`` seconds or `ddpkit.shutdown()`."""
         self.stop()
         self.runner.close()
 

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import RankError, RankStalled
 from ..runtime.launch import launch
+from ..runtime.pool import PoolBusy, shared_pool
 from .known import get
 from .doctor import doctor
 from .ranks import (BNNet, BranchNet, CkptNet, DropNet, LayerDropNet, batch, build, gpt2_tokens,
@@ -94,9 +95,13 @@ class _Lab:
     def launch(self, fn, *args, fresh=False, stall_timeout_s=60.0):
         kw = dict(block=False, stall_timeout_s=stall_timeout_s,
                   on_output=lambda rank, line: self.output.append((rank, line)))
+        handle = None
         if self.pool is not None and not fresh:
-            handle = self.pool.launch(fn, *args, **kw)
-        else:
+            try:
+                handle = self.pool.launch(fn, *args, **kw)
+            except PoolBusy:  # the shared pool is running something else: fresh ranks then
+                pass
+        if handle is None:
             handle = launch(fn, *args, world_size=2, backend="gloo", device="cpu", **kw)
         try:
             res = handle.wait()
@@ -339,11 +344,20 @@ _SPECS = {
 def run(name, fixed=False, pool=None):
     """Run pitfall ``name`` on 2 real gloo ranks: the broken setup, or ``fixed=True`` its fix.
 
-    ``pool``: a warm ``ddpkit.Pool(2, backend='gloo', device='cpu')`` for the setups that leave
-    ranks healthy; the ones that crash or stall ranks get a fresh launch whatever is passed.
+    ``pool``: the warm ranks for the setups that leave ranks healthy: None (the default) is the
+    kernel's shared pool of 2 gloo CPU ranks, a ``ddpkit.Pool(2, backend='gloo', device='cpu')``
+    is that pool, False launches fresh ranks for every setup; the setups that crash or stall
+    ranks get a fresh launch whatever is passed.
     `ddpkit.doctor` checks the setup's model first (``findings``). Returns a `PitfallResult`.
     """
     get(name)
+    if pool is None:
+        pool = shared_pool(2, "gloo", "cpu")
+    elif pool is False:
+        pool = None
+    elif pool is True or not hasattr(pool, "world_size"):
+        raise TypeError(f"pool={pool!r}: pass None (the shared warm pool), False (fresh ranks) "
+                        f"or ddpkit.Pool(2, backend='gloo', device='cpu')")
     if pool is not None and (pool.world_size != 2 or pool.backend != "gloo" or pool.device != "cpu"):
         raise ValueError(f"the pitfall lab runs on 2 CPU ranks with gloo; got {pool!r}. Pass "
                          f"ddpkit.Pool(2, backend='gloo', device='cpu'), or pool=None")

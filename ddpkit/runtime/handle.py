@@ -65,6 +65,7 @@ class RunHandle:
         self._stop = threading.Event()
         self._done = threading.Event()
         self._t0 = time.monotonic()
+        self.ended_at = None  # time.monotonic() when the run ended (a pool's idle clock)
         self._callback_error = None
         self._job = job
         self._thread = threading.Thread(target=self._drain, name="ddpkit-drain", daemon=True)
@@ -129,6 +130,7 @@ class RunHandle:
                 world_size=self.world_size, backend=self._group.backend,
                 device=self._group.device, wall_s=time.monotonic() - self._t0,
                 stopped=stopped, port=self._group.port)
+            self.ended_at = time.monotonic()
             self._done.set()
 
     def _send_jobs(self):

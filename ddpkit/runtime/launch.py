@@ -25,15 +25,26 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
 
     block=True returns a `RunResult` (``returns`` of every rank, ``metrics`` of every rank);
     block=False returns a `RunHandle` at once. ``on_metric(record)`` and ``on_output(rank, line)``
-    are called from ddpkit's drain thread as records and output lines arrive. ``pool`` runs on a
-    warm `Pool` instead of spawning. ``stall_timeout_s``: end the run with `RankStalled` when a
+    are called from ddpkit's drain thread as records and output lines arrive. ``pool``: None or
+    False spawns ranks for this run alone; a `Pool` runs on that pool's warm ranks; True on the
+    kernel's shared pool for these ranks (`ddpkit.shutdown` ends it). ``stall_timeout_s``: end the run with `RankStalled` when a
     rank sends nothing (no ``ctx.log``) for that long; None turns the watchdog off.
     ``host``: the address the rendezvous store and the ranks' gloo sockets listen on; loopback
     by default, so nothing outside this machine can reach them. Pass another address of this
     machine only when something elsewhere must connect (the store has no authentication).
     The names above are the launcher's; every other keyword goes to ``fn``.
     """
-    if pool is not None:
+    if pool is True:
+        if port is not None:
+            raise ValueError(f"port={port} with pool=True: the shared pool's ranks have their "
+                             f"own port; pass pool=None for a launch on port {port}")
+        from .pool import launch_shared
+
+        return launch_shared(fn, *args, world_size=2 if world_size is None else world_size,
+                             backend=backend, device=device, host=host, block=block,
+                             on_metric=on_metric, on_output=on_output,
+                             stall_timeout_s=stall_timeout_s, seed=seed, **kwargs)
+    if pool is not None and pool is not False:
         if world_size not in (None, pool.world_size):
             raise ValueError(f"world_size={world_size} but the pool has {pool.world_size} ranks; "
                              f"pass world_size={pool.world_size} or make a new Pool")

@@ -263,6 +263,32 @@ def shutdown_kernels(base, token):
         time.sleep(0.2)  # ranks notice their kernel is gone within a second
 
 
+# the notebook's outputs as the kernel sent them (nbformat JSON), every cell's
+OUTPUTS = """() => window.jupyterapp.shell.currentWidget.content.model.toJSON().cells
+    .map(c => c.outputs || [])"""
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def wait_for_output(page, text, timeout_s):
+    """Wait until a cell prints ``text``; a cell that raises fails the test at once with its
+    traceback, and a timeout says what every cell had shown (not only that ``text`` never came)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        outputs = page.evaluate(OUTPUTS)
+        flat = [o for cell in outputs for o in cell]
+        if any(text in "".join(o.get("text", "")) for o in flat):
+            return
+        errors = [o for o in flat if o.get("output_type") == "error"]
+        if errors:
+            e = errors[0]
+            pytest.fail(f"a cell raised {e['ename']}: {e['evalue']}\n" +
+                        ANSI.sub("", "\n".join(e.get("traceback", [])))[-4000:])
+        if time.monotonic() > deadline:
+            shown = [ANSI.sub("", "".join(o.get("text", "")))[-300:] for o in flat]
+            pytest.fail(f"no {text!r} after {timeout_s} s; the cells showed: {shown}")
+        page.wait_for_timeout(500)
+
+
 def dismiss_news(page):
     news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "news?" toast
     if news.count() and news.first.is_visible():
@@ -273,7 +299,7 @@ def test_lab_in_a_real_browser(jupyter):
     with notebook_page(jupyter, "08_lab.ipynb") as (page, tmp):
         # not awaited: the command resolves only when every cell has ended
         page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-        page.wait_for_selector(".jp-OutputArea-output:has-text('scripted demo done')", timeout=180_000)
+        wait_for_output(page, "scripted demo done", timeout_s=300)
         # `lab = ddpkit.Lab(cfg)` then `lab`: one lab on the page, not two
         assert page.evaluate(f"() => {LABS}.length") == 1
 
@@ -359,7 +385,7 @@ def test_the_block_control_at_12_32_and_80_blocks(jupyter):
     pytest.importorskip("transformers")
     with notebook_page(jupyter, "blocks.ipynb") as (page, tmp):
         page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-        page.wait_for_selector(".jp-OutputArea-output:has-text('labs ready')", timeout=240_000)
+        wait_for_output(page, "labs ready", timeout_s=240)
         kernel = json.loads((tmp / "nb" / "labs.json").read_text())
         assert page.evaluate(f"() => {LABS}.length") == len(BLOCKS)  # each lab shown once
         dismiss_news(page)
