@@ -1,7 +1,7 @@
 """Breadth: every transformers family of tests/families.py (tiny configs, nothing downloaded)
 trained on 2 gloo ranks with checkpointing none and full, estimated and planned; one row each,
 and the families that cannot pass with their reason. The same figures tests/test_breadth.py
-asserts (its default list runs in CI, the rest with ``pytest --slow``).
+asserts (its default list runs in CI, the rest with ``pytest --breadth``).
 
     python -m bench.breadth [family ...]
 """

@@ -11,7 +11,7 @@
 #              the SDPA kernel the estimate assumes for notebook 02's GPT
 #   gpu-tests  pytest tests/gpu (NCCL tests need 2 GPUs; the shared-GPU tests need 1)
 #   notebooks  notebooks/01_launch.ipynb and 02_checkpointing.ipynb under nbmake (beside gpu-tests)
-#   launch     python -m bench.launch --device cuda  (NCCL with 2+ GPUs, shared-GPU gloo with 1)
+#   launch     python -m bench.launch --worlds 2 --device cuda (NCCL with 2+ GPUs, shared-GPU gloo with 1)
 #   overhead   python -m bench.overhead --device cuda
 # Ends with one summary table (paste it into bench/results.md); each stage's full output is in
 # $GPU_CHECK_OUT (gpu_check_out/). A stage whose tests all skipped reads "skipped", not "pass".
@@ -151,7 +151,7 @@ stage_bg peak "$L_PEAK" "worst|within 3%" "$PY" -m bench.peak --device cuda
 join
 
 # timings last, alone on the machine
-stage launch "$L_LAUNCH" "target" "$PY" -m bench.launch --repeat 2 --device cuda
+stage launch "$L_LAUNCH" "target" "$PY" -m bench.launch --repeat 2 --worlds 2 --device cuda
 stage overhead "$L_OVERHEAD" "target" "$PY" -m bench.overhead --rounds 1 --steps 8 --device cuda
 
 echo

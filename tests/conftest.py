@@ -43,16 +43,22 @@ def no_leftover_processes():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slow", action="store_true",
-                     help="also run the tests marked slow (the whole breadth list of "
-                          "tests/test_breadth.py; python -m bench.breadth runs it too)")
+    parser.addoption("--breadth", action="store_true",
+                     help="also run the tests marked breadth (the whole family list of "
+                          "tests/test_breadth.py; python -m bench.breadth tabulates it)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run with --slow (or -m slow); otherwise they are skipped, saying so."""
-    if config.getoption("--slow") or "slow" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="marked slow: run with --slow (or python -m bench.breadth)")
+    """Two tiers. The browser tests and the tests marked ``slow`` (more than ~3 s each on 2
+    cores) belong to the full run only: ``pytest tests -m "not slow"`` is the quick tier for the
+    inner loop. Tests marked ``breadth`` run with --breadth (or -m breadth); otherwise they are
+    skipped, saying so."""
     for item in items:
-        if "slow" in item.keywords:
+        if "browser" in item.nodeid.split("::")[0].split("/"):
+            item.add_marker(pytest.mark.slow)
+    if config.getoption("--breadth") or "breadth" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="marked breadth: run with --breadth (or python -m bench.breadth)")
+    for item in items:
+        if "breadth" in item.keywords and item.get_closest_marker("breadth") is not None:
             item.add_marker(skip)

@@ -1,5 +1,6 @@
 """Process and port checks shared by the tests (a plain module: `conftest` names clash
 between tests/ and notebooks/)."""
+import os
 import socket
 
 import psutil
@@ -13,10 +14,15 @@ def rank_children(shared=False):
     from ddpkit.runtime.pool import shared_pids
 
     warm = set() if shared else shared_pids()
+    me = os.getpid()
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(p.cmdline()) and p.pid not in warm:
+            line = " ".join(p.cmdline())
+            # a forkserver (DDPKIT_START_METHOD=forkserver) lives as long as this process, as
+            # the resource tracker does; the ranks forked from it are its children, and count
+            server = "forkserver" in line and p.ppid() == me
+            if "resource_tracker" not in line and not server and p.pid not in warm:
                 out.append(p)
         except psutil.NoSuchProcess:
             pass

@@ -6,13 +6,14 @@ equal to `estimate` to the byte (fp32, dropout 0), and a `plan` whose setting fi
 (the lowest peak checkpointing reaches).
 
 The families of `DEFAULT` run always (one of each kind the other tests do not cover: vision,
-encoder-decoder, two-tower); the rest are marked ``slow`` (``pytest --slow``, or
+encoder-decoder, two-tower); the rest are marked ``breadth`` (``pytest --breadth``, or
 ``python -m bench.breadth``, which tabulates them all). A family that cannot pass is skipped with
 its reason, and `test_what_does_not_work_fails_as_its_reason_says` holds that reason to the error
 ddpkit gives."""
 import pytest
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 from families import FAMILIES, config, measure
 
 pytest.importorskip("transformers")
@@ -22,15 +23,14 @@ DEFAULT = ("vit", "t5", "clip")
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2, backend="gloo", device="cpu") as p:
-        yield p
+    return shared_pool(2, "gloo", "cpu")  # the kernel's shared warm ranks, as train's default
 
 
 def _params():
     for name, fam in FAMILIES.items():
         marks = [pytest.mark.skip(reason=f"{name}: {fam.skip}")] if fam.skip else []
         if name not in DEFAULT and not fam.skip:
-            marks.append(pytest.mark.slow)
+            marks.append(pytest.mark.breadth)
         yield pytest.param(name, marks=marks, id=name)
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.init import trunc_normal_
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 import families
 from ddpkit.explore.trace import traced as _traced
 from ddpkit.explore.peak import simulate
@@ -24,8 +25,7 @@ CPU = dict(world_size=2, backend="gloo", device="cpu")
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2, backend="gloo", device="cpu") as p:
-        yield p
+    return shared_pool(2, "gloo", "cpu")  # the kernel's shared warm ranks, as train's default
 
 
 def make_vit():

@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 import fixtures_module as fm  # noqa: E402
 
 import ddpkit  # noqa: E402
+from ddpkit.runtime.pool import shared_pool  # noqa: E402
 from ddpkit import pitfalls  # noqa: E402
 
 CPU = dict(backend="gloo", device="cpu")
@@ -27,8 +28,7 @@ def adapter_bytes():
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2, **CPU) as p:
-        yield p
+    return shared_pool(2, "gloo", "cpu")  # the kernel's shared warm ranks, as train's default
 
 
 def test_lora_gpt2_trains_with_checkpointing_and_all_reduces_only_its_adapters(pool):

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
 from ddpkit.engine.spec import build_model
 
@@ -24,8 +25,7 @@ MODELS = {"net": dict(model=fm.make_model, data=fm.make_data, loss=fm.loss_fn),
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2, backend="gloo", device="cpu") as p:
-        yield p
+    return shared_pool(2, "gloo", "cpu")  # the kernel's shared warm ranks, as train's default
 
 
 def max_diff(a, b):

@@ -3,6 +3,7 @@
 import pytest
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
 from ddpkit.engine.memory import KINDS, PHASES
 from ddpkit.engine.strategies import FSDP_STRATEGIES
@@ -14,8 +15,7 @@ BASE = dict(model="gpt", n_blocks=3, width=64, seq_len=32, vocab=256, world_size
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2, **CPU) as p:
-        yield p
+    return shared_pool(2, "gloo", "cpu")  # the kernel's shared warm ranks, as train's default
 
 
 def probed(res):

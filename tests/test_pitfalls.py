@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 from ddpkit import pitfalls
 
 READY_TWICE = "Expected to mark a variable ready only once."
@@ -20,11 +21,9 @@ REQUIRED = {"reentrant_find_unused", "reentrant_shared_module", "reentrant_input
 
 @pytest.fixture(scope="module")
 def pool():
-    # made before the first test's leftover check, closed after the last: ranks stay warm
-    # across the file. Setups that crash or stall ranks launch fresh and leave it alone.
-    p = ddpkit.Pool(2, backend="gloo", device="cpu")
-    yield p
-    p.close()
+    # the kernel's shared warm ranks (pitfalls.run's default). Setups that crash or stall ranks
+    # launch fresh and leave them alone.
+    return shared_pool(2, "gloo", "cpu")
 
 
 def both(name, pool):

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
 from ddpkit.engine.policies import CheckpointPolicy, CheckpointSetting
 
@@ -26,8 +27,7 @@ MODELS = {"gpt2": dict(model=fm.make_gpt2), "llama": dict(model=fm.make_llama),
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2, backend="gloo", device="cpu") as p:
-        yield p
+    return shared_pool(2, "gloo", "cpu")  # the kernel's shared warm ranks, as train's default
 
 
 def max_diff(a, b):

@@ -1,6 +1,7 @@
 """The kernel's shared warm pool, `ddpkit.train`'s default (issue #23): a job on used ranks gives
 bitwise what a fresh launch gives, an idle pool ends on time, `shutdown()` leaves no process and
 no port, a busy pool does not block a second run, and a killed kernel leaves no orphan rank."""
+import json
 import os
 import subprocess
 import sys
@@ -161,10 +162,14 @@ KERNEL = textwrap.dedent("""
 """)
 
 
-def test_a_killed_kernel_leaves_no_orphan_rank():
-    """A kernel restart kills the kernel (SIGKILL): its warm ranks must end by themselves."""
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_killed_kernel_leaves_no_orphan_rank(method):
+    """A kernel restart kills the kernel (SIGKILL): its warm ranks must end by themselves (a
+    forkserver's ranks are the server's children: the server ends with the kernel, and so do
+    they)."""
     proc = subprocess.Popen([sys.executable, "-c", KERNEL], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, DDPKIT_START_METHOD=method))
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
@@ -176,3 +181,33 @@ def test_a_killed_kernel_leaves_no_orphan_rank():
               for p in pids):
         assert time.monotonic() < deadline, "a warm rank outlived its killed kernel"
         time.sleep(0.1)
+
+
+FORKSERVER = textwrap.dedent("""
+    import json, os, sys
+    os.environ["DDPKIT_START_METHOD"] = "forkserver"
+    import ddpkit
+    cfg = ddpkit.TrainConfig(**json.loads(sys.argv[1]))
+    for pool in (False, None):  # a launch of its own, then the shared pool
+        res = ddpkit.train(cfg, pool=pool)
+        print("LOSSES", json.dumps(sorted((m["rank"], m["step"], m["loss"]) for m in res.metrics)))
+""")
+
+
+def test_forkserver_ranks_train_bitwise_as_spawned_ones():
+    """The opt-in start method (DDPKIT_START_METHOD=forkserver) changes how a rank starts,
+    nothing of what it computes."""
+    spawned = ddpkit.train(ddpkit.TrainConfig(**CFG), pool=False)
+    want = sorted((m["rank"], m["step"], m["loss"]) for m in spawned.metrics)
+    out = subprocess.run([sys.executable, "-c", FORKSERVER, json.dumps(CFG)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("LOSSES")]
+    assert got == [[list(w) for w in want]] * 2
+
+
+def test_a_fork_start_method_is_refused(monkeypatch):
+    monkeypatch.setenv("DDPKIT_START_METHOD", "fork")
+    with pytest.raises(ValueError, match=r"DDPKIT_START_METHOD='fork': set it to 'spawn' \(the "
+                                         r"default\) or 'forkserver'; 'fork' is refused"):
+        ddpkit.launch(state, world_size=2)

@@ -2,6 +2,7 @@
 import pytest
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 from ddpkit.explore.estimate import estimate
 
 # pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
@@ -12,8 +13,7 @@ BASE = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accu
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2, **CPU) as p:
-        yield p
+    return shared_pool(2, "gloo", "cpu")  # the kernel's shared warm ranks, as train's default
 
 
 @pytest.fixture(scope="module")

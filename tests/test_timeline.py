@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 from ddpkit.engine.timeline import ring_allreduce_s
 from ddpkit.explore.timeline import rebuilt_buckets, versus_ddp
 
@@ -25,8 +26,7 @@ FINALIZER_S = 15e-3  # DDP's comm end trails ours by its finalizer's copies: see
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2, **CPU) as p:
-        yield p
+    return shared_pool(2, "gloo", "cpu")  # the kernel's shared warm ranks, as train's default
 
 
 def close(a, b, stamps=1):

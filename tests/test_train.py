@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 from ddpkit.engine.policies import CheckpointSetting
 from ddpkit.explore.estimate import activation_bytes, estimate, param_count
 from ddpkit.engine.models import build_model
@@ -17,8 +18,7 @@ TINY = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accu
 
 @pytest.fixture(scope="module")
 def pool():
-    with ddpkit.Pool(world_size=2, **CPU) as p:
-        yield p
+    return shared_pool(2, "gloo", "cpu")  # the kernel's shared warm ranks, as train's default
 
 
 def max_diff(a, b):

@@ -101,12 +101,24 @@ def _place(rank, spec):
     return device
 
 
-def _watch_parent(ppid):
-    """A rank whose kernel died (kill -9, crash) exits on its own within a second."""
+def _watch_parent(kernel, parent):
+    """A rank whose kernel died (kill -9, crash) exits on its own within a second. ``parent``:
+    the kernel itself for a spawned rank, the forkserver for a forked one (the server exits when
+    the kernel does, and the rank is handed to another parent)."""
     while True:
         time.sleep(0.5)
-        if os.getppid() != ppid:
+        if os.getppid() != parent or (parent != kernel and not _alive(kernel)):
             os._exit(3)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _hard_exit_after(seconds, code):
@@ -167,7 +179,8 @@ def _live(start, work, failed, finish):
 def rank_main(rank, world_size, conn, spec):
     """Entry point of every spawned rank. ``spec`` is a plain dict built by the launcher."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides when ranks stop
-    threading.Thread(target=_watch_parent, args=(spec["ppid"],), daemon=True).start()
+    parent = spec["ppid"] if spec.get("start_method", "spawn") == "spawn" else os.getppid()
+    threading.Thread(target=_watch_parent, args=(spec["ppid"], parent), daemon=True).start()
     channel = Channel(conn, rank)
     output = OutputForwarder(channel)
 

@@ -6,6 +6,10 @@
   store has no authentication, so nobody else on the network may reach it.
 * Ranks are started with ``torch.multiprocessing``'s **spawn** context, never fork (fork after
   CUDA init breaks). Each starts in `ddpkit.rank.entry.rank_main` with one duplex pipe.
+  ``DDPKIT_START_METHOD=forkserver`` opts in to the forkserver: one fresh interpreter (never
+  the kernel, so never its CUDA state) imports torch once, and each rank is forked from it; it
+  saves a rank's interpreter start and ``import torch`` (``python -m bench.launch`` measures
+  both side by side).
 * Closing ends every rank: a moment to exit by themselves, then SIGTERM, then SIGKILL, then
   reap (grandchildren too). Groups still open at interpreter exit are closed then.
 """
@@ -136,6 +140,31 @@ def _main_not_reimported():
             main.__dict__.update(saved)
 
 
+START_ENV = "DDPKIT_START_METHOD"
+_PRELOAD = ["torch", "torch.distributed", "ddpkit.rank.entry"]
+
+
+def start_method():
+    """How ranks start: ``spawn`` (the default) or ``forkserver`` (``DDPKIT_START_METHOD``)."""
+    method = os.environ.get(START_ENV) or "spawn"
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"{START_ENV}={method!r}: set it to 'spawn' (the default) or "
+                         f"'forkserver'; 'fork' is refused: a fork of a kernel that has used "
+                         f"CUDA breaks the ranks")
+    return method
+
+
+def _context():
+    method = start_method()
+    mp = tmp.get_context(method)
+    if method == "forkserver":
+        # the server imports these once; ranks forked from it skip the imports. The server is a
+        # fresh interpreter (multiprocessing execs it), so no CUDA state of the kernel reaches it,
+        # and importing torch does not initialise CUDA (torch.cuda is lazy)
+        mp.set_forkserver_preload(_PRELOAD)
+    return mp
+
+
 class RankGroup:
     """world_size spawned rank processes, their pipes and the kernel-side store."""
 
@@ -153,8 +182,8 @@ class RankGroup:
         gpus = len(devices.cuda_gpus()) if device == "cuda" else 0
         spec = dict(host=host, port=self.port, backend=backend, device_type=device, threads=threads,
                     persistent=persistent, pg_timeout_s=pg_timeout_s, ppid=os.getpid(), gpus=gpus,
-                    deterministic=deterministic)
-        mp = tmp.get_context("spawn")
+                    deterministic=deterministic, start_method=start_method())
+        mp = _context()
         self.procs, self.conns = [], []
         self.closed = False
         try:

@@ -71,6 +71,18 @@ def test_launch_works_after_the_kernel_initialised_cuda():
 
 
 @needs_one
+def test_forkserver_ranks_use_cuda_after_the_kernel_initialised_it(monkeypatch):
+    """The opt-in forkserver's CUDA-safety argument, on a GPU: the kernel has a CUDA context,
+    the ranks are forked from a server that never made one, and they use their GPU."""
+    torch.zeros(1, device="cuda")
+    assert torch.cuda.is_initialized()
+    monkeypatch.setenv("DDPKIT_START_METHOD", "forkserver")
+    for _ in range(2):  # the server's first ranks, then ranks forked from a server that has served
+        assert [r[0].split(":")[0] for r in ddpkit.launch(where, world_size=2).returns] == \
+            ["cuda", "cuda"]
+
+
+@needs_one
 def test_gloo_on_cpu_can_be_forced_on_a_gpu_machine():
     res = ddpkit.launch(where, world_size=2, backend="gloo", device="cpu")
     assert res.backend == "gloo" and res.returns[0][0] == "cpu"
