@@ -152,7 +152,7 @@ def main(argv=None):
         med = {k: summary(v)[0] for k, v in times.items()}
         rows = [(k, summary(v)[1], f"{med[k] / med['plain mp.spawn']:.2f}x")
                 for k, v in times.items()]
-        text += f"\n{world} ranks:\n\n" + table(["method", "median (spread)", "vs mp.spawn"], rows)
+        text += f"\n\n{world} ranks:\n\n" + table(["method", "median (spread)", "vs mp.spawn"], rows)
         cold = med["ddpkit cold launch (spawn)"] / med["plain mp.spawn"]
         speedup = med["ddpkit cold launch (spawn)"] / med["ddpkit warm pool"]
         verdicts.append(f"{world} ranks: cold / mp.spawn = {cold:.2f} (target <= 1.2): "

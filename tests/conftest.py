@@ -48,13 +48,24 @@ def pytest_addoption(parser):
                           "tests/test_breadth.py; python -m bench.breadth tabulates it)")
 
 
+def _slow_tests():
+    """The test functions listed in tests/slow_tests.txt (measured, see its header)."""
+    from pathlib import Path
+
+    path = Path(__file__).with_name("slow_tests.txt")
+    return {line.strip() for line in path.read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+
+
 def pytest_collection_modifyitems(config, items):
     """Two tiers. The browser tests and the tests marked ``slow`` (more than ~3 s each on 2
     cores) belong to the full run only: ``pytest tests -m "not slow"`` is the quick tier for the
     inner loop. Tests marked ``breadth`` run with --breadth (or -m breadth); otherwise they are
     skipped, saying so."""
+    slow = _slow_tests()
     for item in items:
-        if "browser" in item.nodeid.split("::")[0].split("/"):
+        node = item.nodeid.split("[")[0]  # every parameter of a slow test function
+        if "browser" in item.nodeid.split("::")[0].split("/") or node in slow:
             item.add_marker(pytest.mark.slow)
     if config.getoption("--breadth") or "breadth" in (config.getoption("-m") or ""):
         return
