@@ -191,6 +191,12 @@ FORKSERVER = textwrap.dedent("""
     for pool in (False, None):  # a launch of its own, then the shared pool
         res = ddpkit.train(cfg, pool=pool)
         print("LOSSES", json.dumps(sorted((m["rank"], m["step"], m["loss"]) for m in res.metrics)))
+    # the server started above; what the kernel sets now still reaches new ranks, as with spawn
+    os.environ["DDPKIT_SET_LATER"] = "yes"
+    sys.path.append("/set/later")
+    seen = ddpkit.launch(lambda ctx: (os.environ.get("DDPKIT_SET_LATER"), "/set/later" in sys.path),
+                         world_size=2).returns
+    print("LATER", json.dumps(seen))
 """)
 
 
@@ -204,6 +210,8 @@ def test_forkserver_ranks_train_bitwise_as_spawned_ones():
     assert out.returncode == 0, out.stderr[-3000:]
     got = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("LOSSES")]
     assert got == [[list(w) for w in want]] * 2
+    later = [json.loads(l[6:]) for l in out.stdout.splitlines() if l.startswith("LATER")]
+    assert later == [[["yes", True], ["yes", True]]]
 
 
 def test_a_fork_start_method_is_refused(monkeypatch):

@@ -179,6 +179,12 @@ def _live(start, work, failed, finish):
 def rank_main(rank, world_size, conn, spec):
     """Entry point of every spawned rank. ``spec`` is a plain dict built by the launcher."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides when ranks stop
+    if spec.get("environ") is not None:
+        # forked from a forkserver, which holds the kernel's environment and sys.path of the
+        # moment it started: the kernel's of now, as a spawned rank would have them
+        os.environ.clear()
+        os.environ.update(spec["environ"])
+        sys.path[:] = spec["sys_path"]
     parent = spec["ppid"] if spec.get("start_method", "spawn") == "spawn" else os.getppid()
     threading.Thread(target=_watch_parent, args=(spec["ppid"], parent), daemon=True).start()
     channel = Channel(conn, rank)

@@ -183,6 +183,8 @@ class RankGroup:
         spec = dict(host=host, port=self.port, backend=backend, device_type=device, threads=threads,
                     persistent=persistent, pg_timeout_s=pg_timeout_s, ppid=os.getpid(), gpus=gpus,
                     deterministic=deterministic, start_method=start_method())
+        if spec["start_method"] == "forkserver":  # the server's are those of its start
+            spec.update(environ=dict(os.environ), sys_path=list(sys.path))
         mp = _context()
         self.procs, self.conns = [], []
         self.closed = False

@@ -55,3 +55,29 @@ def test_kernel_interrupt_mid_run_ends_every_rank():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_a_kernel_restart_leaves_no_warm_rank_behind():
+    """`ddpkit.train` leaves the kernel's shared pool warm; restarting the kernel (JupyterLab's
+    Restart: the old kernel is killed) must not leave those ranks running."""
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        out = []
+        code = ("import ddpkit\nfrom ddpkit.runtime.pool import shared_pids\n"
+                "ddpkit.train(ddpkit.TrainConfig(model='mlp', n_blocks=2, width=16, "
+                "micro_batch=4, steps=2, world_size=2, backend='gloo', device='cpu'))\n"
+                "print('PIDS', *sorted(shared_pids()))")
+        reply = kc.execute_interactive(code, timeout=120,
+                                       output_hook=lambda m: out.append(m["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        pids = [int(p) for p in "".join(out).split("PIDS")[1].split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        km.restart_kernel(now=True)
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                  for p in pids):
+            assert time.monotonic() < deadline, "a warm rank outlived its kernel's restart"
+            time.sleep(0.1)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
