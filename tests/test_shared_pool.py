@@ -99,6 +99,31 @@ def test_a_used_pool_gives_bitwise_what_a_fresh_launch_gives():
         assert torch.equal(v, reused.state_dict[k]), k
 
 
+def environment(ctx):
+    import os
+    import sys
+
+    return os.environ.get("DDPKIT_LATER"), "/later" in sys.path, os.environ["RANK"]
+
+
+def test_a_warm_rank_sees_the_kernels_environment_of_each_launch(monkeypatch):
+    """A fresh rank inherits the kernel's os.environ and sys.path of the launch; so does a job
+    on warm ranks. A variable only a rank's start reads (OMP_NUM_THREADS, CUDA_*, NCCL_*...)
+    changed since the pool started brings up fresh ranks."""
+    pool = shared.shared_pool(2, "gloo", "cpu").warm()
+    pids = pool.pids
+    monkeypatch.setenv("DDPKIT_LATER", "set after the ranks started")
+    monkeypatch.syspath_prepend("/later")
+    assert ddpkit.launch(environment, world_size=2, pool=True).returns == \
+        [("set after the ranks started", True, "0"), ("set after the ranks started", True, "1")]
+    monkeypatch.delenv("DDPKIT_LATER")
+    assert ddpkit.launch(environment, world_size=2, pool=True).returns[0][0] is None
+    assert pool.pids == pids  # the same warm ranks throughout
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ddpkit.launch(environment, world_size=2, pool=True)
+    assert pool.pids and not set(pool.pids) & set(pids)
+
+
 def test_an_idle_shared_pool_ends_on_time_and_the_next_run_starts_fresh_ranks(monkeypatch):
     ddpkit.shutdown()
     monkeypatch.setenv(shared.IDLE_ENV, "1.5")

@@ -185,6 +185,7 @@ def rank_main(rank, world_size, conn, spec):
         os.environ.clear()
         os.environ.update(spec["environ"])
         sys.path[:] = spec["sys_path"]
+    inherited = dict(os.environ)
     parent = spec["ppid"] if spec.get("start_method", "spawn") == "spawn" else os.getppid()
     threading.Thread(target=_watch_parent, args=(spec["ppid"], parent), daemon=True).start()
     channel = Channel(conn, rank)
@@ -205,7 +206,7 @@ def rank_main(rank, world_size, conn, spec):
 
     def serve(ctx):
         """One job (a launch), or a pool's jobs until it closes; the exit code."""
-        baseline = Baseline()  # what a pool's rank returns to after each job
+        baseline = Baseline(inherited)  # what a pool's rank returns to after each job
         if spec["persistent"]:
             # what exists now (torch, the group) lives as long as the rank: left out of the
             # collection between jobs, which then takes microseconds instead of ~75 ms
@@ -221,7 +222,7 @@ def rank_main(rank, world_size, conn, spec):
             if msg[1]["pg_timeout_s"] != timeout_s:
                 timeout_s = msg[1]["pg_timeout_s"]
                 set_collective_timeout(timeout_s)
-            if not _run_job(ctx, channel, output, msg[1]):
+            if not _run_job(ctx, channel, output, msg[1], baseline):
                 return 1
             if not spec["persistent"]:
                 return 0
@@ -237,9 +238,10 @@ def rank_main(rank, world_size, conn, spec):
     _live(start, serve, failed, output.finish)
 
 
-def _run_job(ctx, channel, output, job):
+def _run_job(ctx, channel, output, job, baseline):
     """Run one job; True when it returned normally."""
     try:
+        baseline.enter(job)
         fn, args, kwargs = shipping.loads(job["payload"])
         start_job(ctx, job["seed"], job["flags"])
         channel.send("started")

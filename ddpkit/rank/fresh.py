@@ -40,10 +40,14 @@ _SWITCHES = [  # (getter, setter) of torch's process-wide switches a job may fli
 
 
 class Baseline:
-    """The rank's process-wide state before its first job; ``restore()`` puts it back."""
+    """The rank's process-wide state before its first job; ``restore()`` puts it back.
+    ``inherited``: the environment the rank started with (the kernel's), so that what the rank
+    set for itself at start (RANK, MASTER_PORT, GLOO_SOCKET_IFNAME, ...) is known."""
 
-    def __init__(self):
+    def __init__(self, inherited=None):
         self.environ = dict(os.environ)
+        inherited = self.environ if inherited is None else inherited
+        self.own = {k: v for k, v in self.environ.items() if inherited.get(k) != v}
         self.cwd = os.getcwd()
         self.sys_path = list(sys.path)
         self.warning_filters = list(warnings.filters)
@@ -52,6 +56,18 @@ class Baseline:
         self.default_device = torch.get_default_device()
         self.anomaly = torch.is_anomaly_enabled()
         self.switches = [get() for get, _ in _SWITCHES]
+
+    def enter(self, job):
+        """Before a job: the kernel's ``os.environ`` and ``sys.path`` as they were at its launch
+        (a fresh rank inherits those), with this rank's own variables over them."""
+        env = job.get("environ")
+        if env is None:
+            return
+        merged = {**env, **self.own}
+        if merged != dict(os.environ):
+            os.environ.clear()
+            os.environ.update(merged)
+        sys.path[:] = job["sys_path"]
 
     def restore(self):
         if dict(os.environ) != self.environ:

@@ -141,6 +141,14 @@ def _main_not_reimported():
 
 
 START_ENV = "DDPKIT_START_METHOD"
+# read when a rank starts (threads, devices, the communication libraries, torch itself): a warm
+# rank cannot take a change of these, so a pool started under other values starts again
+STARTUP_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "CUBLAS_")
+
+
+def startup_env():
+    """The kernel's variables that only a rank's start reads."""
+    return {k: v for k, v in os.environ.items() if k.startswith(STARTUP_PREFIXES)}
 _PRELOAD = ["torch", "torch.distributed", "ddpkit.rank.entry"]
 
 
@@ -173,6 +181,7 @@ class RankGroup:
         self.world_size, self.backend, self.device = world_size, backend, device
         self.persistent = persistent
         self.deterministic = deterministic
+        self.start_env = startup_env()
         note = devices.shared_note(world_size, backend, device)
         if note:
             print(note, flush=True)  # once per launch or pool, in the cell that started it

@@ -7,7 +7,9 @@ kernel's determinism flags, the collective timeout) is cloudpickled once and sen
 from __future__ import annotations
 
 import inspect
+import os
 import socket
+import sys
 
 import cloudpickle
 
@@ -138,5 +140,8 @@ def make_job(fn, args, kwargs, seed, stall_timeout_s):
     payload = check_picklable(fn, args, kwargs)
     # the collective timeout travels with each job: a pool's ranks serve jobs of any
     # stall_timeout_s, and torch's own timeout must never fire before ddpkit's watchdog
+    # the kernel's environment and import path of this moment: what a fresh rank inherits, and
+    # what a warm rank takes on before the job (ddpkit.rank.fresh.Baseline.enter)
     return {"payload": payload, "seed": seed, "flags": capture_job_state(),
-            "pg_timeout_s": collective_timeout(stall_timeout_s)}
+            "pg_timeout_s": collective_timeout(stall_timeout_s), "environ": dict(os.environ),
+            "sys_path": list(sys.path)}

@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from ..devices import resolve_devices
-from .group import HOST, RankGroup
+from .group import HOST, RankGroup, startup_env
 from .handle import RunHandle
 from .launch import collective_timeout, make_job, check_options
 
@@ -67,6 +67,9 @@ class Pool:
         # start: a deterministic job on ranks started without it needs fresh ranks
         stale = (self._group is not None and self.device == "cuda" and deterministic
                  and not self._group.deterministic)
+        # a variable read at a rank's start (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, NCCL_*...)
+        # changed in the kernel since these ranks started: fresh ones see it, so must these
+        stale = stale or (self._group is not None and self._group.start_env != startup_env())
         if self._group is None or stale or not self._group.alive():
             if self._group is not None:
                 self._group.close(graceful=stale)
