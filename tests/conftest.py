@@ -58,7 +58,7 @@ def _slow_tests():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Two tiers. The browser tests and the tests marked ``slow`` (more than ~3 s each on 2
+    """Two tiers. The browser tests and the tests marked ``slow`` (more than ~2 s each on 2
     cores) belong to the full run only: ``pytest tests -m "not slow"`` is the quick tier for the
     inner loop. Tests marked ``breadth`` run with --breadth (or -m breadth); otherwise they are
     skipped, saying so."""

@@ -242,9 +242,15 @@ def test_stop_ends_every_rank_and_frees_the_port():
 
 
 def test_keyboard_interrupt_while_blocked_ends_every_rank():
-    threading.Timer(4.0, _thread.interrupt_main).start()
+    fired = []
+
+    def interrupt_once_going(record):  # the main thread is blocked in the launch by now
+        if not fired:
+            fired.append(True)
+            _thread.interrupt_main()
     with pytest.raises(KeyboardInterrupt):
-        ddpkit.launch(slow_work, world_size=2)
+        ddpkit.launch(slow_work, world_size=2, on_metric=interrupt_once_going)
+    assert fired
     # the autouse fixture checks that no rank is left
 
 

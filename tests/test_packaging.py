@@ -53,3 +53,22 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_the_hf_extra_is_in_the_dev_tools_too():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(meta["hf"]) <= set(meta["dev"])
+
+
+def test_the_slow_list_names_tests_that_exist():
+    """tests/slow_tests.txt (the quick tier leaves these out) must not name a test that was
+    renamed or removed: it would then mark nothing, and the quick tier would grow unseen."""
+    import re
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    entries = [line for line in (here / "slow_tests.txt").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert len(entries) > 50
+    missing = []
+    for entry in entries:
+        path, func = entry.split("::")
+        source = here.parent / path
+        if not source.exists() or not re.search(rf"^def {func}\(", source.read_text(), re.M):
+            missing.append(entry)
+    assert missing == [], missing

@@ -19,8 +19,10 @@ import atexit
 import contextlib
 import errno
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import weakref
 from datetime import timedelta
@@ -173,6 +175,23 @@ def _context():
     return mp
 
 
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold a kernel interrupt (SIGINT, or ``_thread.interrupt_main``) while ranks start and a
+    run is handed its group: the body runs to its end, and the list it yields says whether one
+    came meanwhile. Raised in the middle, it could leave a rank started but not yet recorded,
+    which nothing would then end. In a thread other than the main one there is nothing to hold."""
+    held = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 class RankGroup:
     """world_size spawned rank processes, their pipes and the kernel-side store."""
 
@@ -198,7 +217,7 @@ class RankGroup:
         self.procs, self.conns = [], []
         self.closed = False
         try:
-            with _main_not_reimported():
+            with interrupts_held() as held, _main_not_reimported():
                 for r in range(world_size):
                     parent_end, child_end = mp.Pipe(duplex=True)
                     p = mp.Process(target=rank_main, args=(r, world_size, child_end, spec),
@@ -207,6 +226,8 @@ class RankGroup:
                     child_end.close()
                     self.procs.append(p)
                     self.conns.append(parent_end)
+            if held:
+                raise KeyboardInterrupt  # now that every rank is known, so closed below
         except BaseException:
             self.close()
             raise

@@ -16,7 +16,7 @@ import cloudpickle
 from .. import shipping
 from ..devices import resolve_devices
 from ..rank.entry import capture_job_state
-from .group import HOST, RankGroup
+from .group import HOST, RankGroup, interrupts_held
 from .handle import RunHandle
 
 
@@ -59,11 +59,21 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
     check_options(block, on_metric, on_output, port, host)
     backend, device = resolve_devices(world_size, backend, device)
     job = make_job(fn, args, kwargs, seed, stall_timeout_s)
-    group = RankGroup(world_size, backend, device, persistent=False, port=port,
-                      pg_timeout_s=job["pg_timeout_s"], deterministic=job["flags"]["deterministic"],
-                      host=host)
-    handle = RunHandle(group, job, on_metric=on_metric, on_output=on_output,
-                       stall_timeout_s=stall_timeout_s, owns_group=True)
+    with interrupts_held() as held:  # an interrupt now ends the run below, not mid-start
+        group = RankGroup(world_size, backend, device, persistent=False, port=port,
+                          pg_timeout_s=job["pg_timeout_s"],
+                          deterministic=job["flags"]["deterministic"], host=host)
+        handle = RunHandle(group, job, on_metric=on_metric, on_output=on_output,
+                           stall_timeout_s=stall_timeout_s, owns_group=True)
+    return finish(handle, block, held)
+
+
+def finish(handle, block, held):
+    """A started run's handle, or its result; a kernel interrupt held while it started stops it
+    and is raised now (its ranks all known, so all ended)."""
+    if held:
+        handle.stop()
+        raise KeyboardInterrupt
     return handle.wait() if block else handle
 
 

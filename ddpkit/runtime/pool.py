@@ -17,9 +17,9 @@ import weakref
 import torch
 
 from ..devices import resolve_devices
-from .group import HOST, RankGroup, startup_env
+from .group import HOST, RankGroup, interrupts_held, startup_env
 from .handle import RunHandle
-from .launch import collective_timeout, make_job, check_options
+from .launch import check_options, collective_timeout, finish, make_job
 
 
 IDLE_ENV = "DDPKIT_POOL_IDLE_S"
@@ -94,7 +94,7 @@ class Pool:
                stall_timeout_s=300.0, seed=0, **kwargs):
         check_options(block, on_metric, on_output)
         job = make_job(fn, args, kwargs, seed, stall_timeout_s)
-        with self._lock:
+        with self._lock, interrupts_held() as held:
             if self.busy:
                 raise PoolBusy("this pool is already running a job; wait() or stop() it "
                                "before launching another (one run at a time per pool)")
@@ -102,7 +102,7 @@ class Pool:
             self._used_at = time.monotonic()
             self._handle = RunHandle(self._group, job, on_metric=on_metric, on_output=on_output,
                                      stall_timeout_s=stall_timeout_s, owns_group=False)
-        return self._handle.wait() if block else self._handle
+        return finish(self._handle, block, held)
 
     def close(self):
         """Stop a running job and end the ranks (a later launch starts fresh ones)."""
