@@ -31,8 +31,14 @@ def listening(pid):
 
 
 def sockets_now():
-    """{pid: listening (ip, port)} for this process (the kernel) and each rank process."""
-    return {pid: listening(pid) for pid in [os.getpid()] + [p.pid for p in rank_children()]}
+    """{pid: listening (ip, port)} for this process (the kernel) and each rank process, less
+    the kernel's shared warm pools (their stores and ranks: other tests' runs, on loopback)."""
+    from ddpkit.runtime import pool as shared
+
+    warm = {p._group.port for p in list(shared._SHARED.values()) if p._group is not None}
+    seen = {pid: listening(pid) for pid in [os.getpid()] + [p.pid for p in rank_children()]}
+    seen[os.getpid()] = {(ip, port) for ip, port in seen[os.getpid()] if port not in warm}
+    return seen
 
 
 def is_loopback(ip):
