@@ -42,6 +42,18 @@ def no_leftover_processes():
         pytest.fail("processes left behind: " + "; ".join(details))
 
 
+@pytest.fixture
+def kernel_sigint():
+    """Python's own SIGINT handler, as a Jupyter kernel has it, for the tests that interrupt a
+    run. A shell starts background commands with SIGINT ignored, and Python then keeps it so;
+    ``_thread.interrupt_main`` does nothing at all under that."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 def pytest_addoption(parser):
     parser.addoption("--breadth", action="store_true",
                      help="also run the tests marked breadth (the whole family list of "

@@ -241,7 +241,7 @@ def test_stop_ends_every_rank_and_frees_the_port():
     assert dict(os.environ) == env_before
 
 
-def test_keyboard_interrupt_while_blocked_ends_every_rank():
+def test_keyboard_interrupt_while_blocked_ends_every_rank(kernel_sigint):
     fired = []
 
     def interrupt_once_going(record):  # the main thread is blocked in the launch by now

@@ -5,7 +5,7 @@
 A shared pool ends its ranks by itself after ``DDPKIT_POOL_IDLE_S`` seconds without a job
 (600 by default), and at interpreter exit, so an idle kernel does not hold CPU memory or CUDA
 contexts; its next job starts fresh ranks. What a job leaves in a rank is undone before the next
-(`ddpkit.rank.entry.fresh_job_state`), so a job sees what a fresh launch would.
+(`ddpkit.rank.fresh.Baseline`), so a job sees what a fresh launch would.
 """
 from __future__ import annotations
 

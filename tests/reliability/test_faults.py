@@ -113,7 +113,7 @@ def interrupt_at_the_first_record():
     return on_metric, fired
 
 
-def test_interrupt_while_blocked():
+def test_interrupt_while_blocked(kernel_sigint):
     on_metric, fired = interrupt_at_the_first_record()
     with pytest.raises(KeyboardInterrupt):
         ddpkit.launch(steady, world_size=2, on_metric=on_metric)
@@ -122,7 +122,7 @@ def test_interrupt_while_blocked():
 
 
 @pytest.mark.parametrize("after_s", [0.01, 0.05, 0.3])
-def test_interrupt_while_the_ranks_start(after_s):
+def test_interrupt_while_the_ranks_start(after_s, kernel_sigint):
     """An interrupt while ranks are still being started is held until every rank is known,
     then raised: nothing half-started is left."""
     with pytest.raises(KeyboardInterrupt):
