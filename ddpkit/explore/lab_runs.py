@@ -1,6 +1,6 @@
 """What the Lab runs on: the kernel's shared warm pool for its world size (the one `train`
-uses; fresh ranks while that pool runs something else), and `ddpkit.doctor`'s look at each config before its run: its warnings in a yellow
-banner, its notes in a quiet line."""
+uses; fresh ranks while that pool runs something else), and `ddpkit.doctor`'s look at each
+config before its run: its warnings in a yellow banner, its notes in a quiet line."""
 from __future__ import annotations
 
 import html
@@ -19,9 +19,7 @@ class LabRunner:
         the doctor's look and the plots' reset overlap the ranks' start)."""
         from ..runtime.pool import shared_pool
 
-        self.pool = shared_pool(cfg.world_size, cfg.backend, cfg.device)
-        if not self.pool.busy:
-            self.pool.warm()
+        self.pool = shared_pool(cfg.world_size, cfg.backend, cfg.device).warm()
         return self.pool
 
     def check(self, cfg):
@@ -36,10 +34,10 @@ class LabRunner:
         return self.findings
 
     def train(self, cfg, on_metric, on_output):
-        """Start ``cfg`` on the warm pool, live (mid-run changes), without blocking."""
+        """Start ``cfg`` on the shared pool `pool_for` brought up, live (mid-run changes), without
+        blocking."""
         from .api import train
 
-        self.pool_for(cfg)
         return train(cfg, pool=None, block=False, live=True, check=False,
                      on_metric=on_metric, on_output=on_output)
 

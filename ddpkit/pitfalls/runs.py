@@ -22,7 +22,7 @@ import torch
 
 from ..errors import RankError, RankStalled
 from ..runtime.launch import launch
-from ..runtime.pool import PoolBusy, shared_pool
+from ..runtime.pool import Pool, launch_or_fresh, shared_pool
 from .known import get
 from .doctor import doctor
 from .ranks import (BNNet, BranchNet, CkptNet, DropNet, LayerDropNet, batch, build, gpt2_tokens,
@@ -95,13 +95,9 @@ class _Lab:
     def launch(self, fn, *args, fresh=False, stall_timeout_s=60.0):
         kw = dict(block=False, stall_timeout_s=stall_timeout_s,
                   on_output=lambda rank, line: self.output.append((rank, line)))
-        handle = None
         if self.pool is not None and not fresh:
-            try:
-                handle = self.pool.launch(fn, *args, **kw)
-            except PoolBusy:  # the shared pool is running something else: fresh ranks then
-                pass
-        if handle is None:
+            handle = launch_or_fresh(self.pool, fn, *args, **kw)
+        else:
             handle = launch(fn, *args, world_size=2, backend="gloo", device="cpu", **kw)
         try:
             res = handle.wait()
@@ -355,7 +351,7 @@ def run(name, fixed=False, pool=None):
         pool = shared_pool(2, "gloo", "cpu")
     elif pool is False:
         pool = None
-    elif pool is True or not hasattr(pool, "world_size"):
+    elif not isinstance(pool, Pool):
         raise TypeError(f"pool={pool!r}: pass None (the shared warm pool), False (fresh ranks) "
                         f"or ddpkit.Pool(2, backend='gloo', device='cpu')")
     if pool is not None and (pool.world_size != 2 or pool.backend != "gloo" or pool.device != "cpu"):

@@ -5,8 +5,9 @@ default dtype or device, grad mode, anomaly mode, the thread count, the reduced-
 attention-kernel switches, ``os.environ``, the working directory, ``sys.path``, the warning
 filters, a compiled function's cache. `Baseline` is taken once the rank is up, before its first
 job, and put back after every job; then the job's garbage is collected and, on CUDA, the cache
-emptied. The RNGs and the kernel's determinism and float32-precision flags are set at the start
-of each job (`ddpkit.rank.entry.apply_job_state`), as in a fresh rank.
+emptied. Before each job, ``os.environ`` and ``sys.path`` become the kernel's of that launch
+(`Baseline.enter`), and the RNGs and the kernel's determinism and float32-precision flags are
+set (`ddpkit.rank.entry.apply_job_state`), as in a fresh rank.
 
 What a job stores on purpose in a module that outlives it (``some_module.cache = tensor``)
 stays: only a new process forgets that. ``tests/test_shared_pool.py`` runs a job that changes
@@ -40,16 +41,14 @@ _SWITCHES = [  # (getter, setter) of torch's process-wide switches a job may fli
 
 
 class Baseline:
-    """The rank's process-wide state before its first job; ``restore()`` puts it back.
+    """The rank's process-wide state before its first job: ``restore()`` puts it back after each
+    job, ``enter(job)`` gives the next job the kernel's environment and import path.
     ``inherited``: the environment the rank started with (the kernel's), so that what the rank
     set for itself at start (RANK, MASTER_PORT, GLOO_SOCKET_IFNAME, ...) is known."""
 
-    def __init__(self, inherited=None):
-        self.environ = dict(os.environ)
-        inherited = self.environ if inherited is None else inherited
-        self.own = {k: v for k, v in self.environ.items() if inherited.get(k) != v}
+    def __init__(self, inherited):
+        self.own = {k: v for k, v in os.environ.items() if inherited.get(k) != v}
         self.cwd = os.getcwd()
-        self.sys_path = list(sys.path)
         self.warning_filters = list(warnings.filters)
         self.threads = torch.get_num_threads()
         self.default_dtype = torch.get_default_dtype()
@@ -59,23 +58,17 @@ class Baseline:
 
     def enter(self, job):
         """Before a job: the kernel's ``os.environ`` and ``sys.path`` as they were at its launch
-        (a fresh rank inherits those), with this rank's own variables over them."""
-        env = job.get("environ")
-        if env is None:
-            return
-        merged = {**env, **self.own}
+        (a fresh rank inherits those), with this rank's own variables over them. Every job
+        carries them (`ddpkit.runtime.launch.make_job`), so `restore` leaves both alone."""
+        merged = {**job["environ"], **self.own}
         if merged != dict(os.environ):
             os.environ.clear()
             os.environ.update(merged)
         sys.path[:] = job["sys_path"]
 
     def restore(self):
-        if dict(os.environ) != self.environ:
-            os.environ.clear()
-            os.environ.update(self.environ)
         if os.getcwd() != self.cwd:
             os.chdir(self.cwd)
-        sys.path[:] = self.sys_path
         warnings.filters[:] = self.warning_filters
         warnings._filters_mutated()  # the module's cache of which warnings were already shown
         if torch.get_num_threads() != self.threads:

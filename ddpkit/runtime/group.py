@@ -151,6 +151,8 @@ STARTUP_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "PYTORCH_", "TORC
 def startup_env():
     """The kernel's variables that only a rank's start reads."""
     return {k: v for k, v in os.environ.items() if k.startswith(STARTUP_PREFIXES)}
+
+
 _PRELOAD = ["torch", "torch.distributed", "ddpkit.rank.entry"]
 
 
@@ -164,8 +166,7 @@ def start_method():
     return method
 
 
-def _context():
-    method = start_method()
+def _context(method):
     mp = tmp.get_context(method)
     if method == "forkserver":
         # the server imports these once; ranks forked from it skip the imports. The server is a
@@ -213,7 +214,7 @@ class RankGroup:
                     deterministic=deterministic, start_method=start_method())
         if spec["start_method"] == "forkserver":  # the server's are those of its start
             spec.update(environ=dict(os.environ), sys_path=list(sys.path))
-        mp = _context()
+        mp = _context(spec["start_method"])
         self.procs, self.conns = [], []
         self.closed = False
         try:

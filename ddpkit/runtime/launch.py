@@ -29,8 +29,9 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
     block=False returns a `RunHandle` at once. ``on_metric(record)`` and ``on_output(rank, line)``
     are called from ddpkit's drain thread as records and output lines arrive. ``pool``: None or
     False spawns ranks for this run alone; a `Pool` runs on that pool's warm ranks; True on the
-    kernel's shared pool for these ranks (`ddpkit.shutdown` ends it). ``stall_timeout_s``: end the run with `RankStalled` when a
-    rank sends nothing (no ``ctx.log``) for that long; None turns the watchdog off.
+    kernel's shared pool for these ranks (`ddpkit.shutdown` ends it). ``stall_timeout_s``: end
+    the run with `RankStalled` when a rank sends nothing (no ``ctx.log``) for that long; None
+    turns the watchdog off.
     ``host``: the address the rendezvous store and the ranks' gloo sockets listen on; loopback
     by default, so nothing outside this machine can reach them. Pass another address of this
     machine only when something elsewhere must connect (the store has no authentication).
@@ -149,7 +150,7 @@ def make_job(fn, args, kwargs, seed, stall_timeout_s):
         raise TypeError(f"seed must be an int, got {seed!r}")
     payload = check_picklable(fn, args, kwargs)
     # the collective timeout travels with each job: a pool's ranks serve jobs of any
-    # stall_timeout_s, and torch's own timeout must never fire before ddpkit's watchdog
+    # stall_timeout_s, and torch's own timeout must never fire before ddpkit's watchdog. So do
     # the kernel's environment and import path of this moment: what a fresh rank inherits, and
     # what a warm rank takes on before the job (ddpkit.rank.fresh.Baseline.enter)
     return {"payload": payload, "seed": seed, "flags": capture_job_state(),

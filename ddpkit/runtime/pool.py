@@ -233,14 +233,18 @@ def shutdown():
         pool.close()
 
 
-def launch_shared(fn, *args, world_size=2, backend=None, device=None, host=HOST, **kw):
-    """``launch`` on the shared pool for these ranks, or a fresh launch while that pool is busy
-    with another job (a Lab run going on in the background, say)."""
+def launch_or_fresh(pool, fn, *args, **kw):
+    """``pool.launch``, or a fresh launch of ranks like the pool's while it is busy with another
+    job (a Lab run going on in the background, say)."""
     from .launch import launch
 
-    pool = shared_pool(world_size, backend, device, host)
     try:
         return pool.launch(fn, *args, **kw)
     except PoolBusy:
-        return launch(fn, *args, world_size=world_size, backend=backend, device=device,
-                      host=host, **kw)
+        return launch(fn, *args, world_size=pool.world_size, backend=pool.backend,
+                      device=pool.device, host=pool.host, **kw)
+
+
+def launch_shared(fn, *args, world_size=2, backend=None, device=None, host=HOST, **kw):
+    """``launch`` on the shared pool for these ranks (fresh ranks while it is busy)."""
+    return launch_or_fresh(shared_pool(world_size, backend, device, host), fn, *args, **kw)
