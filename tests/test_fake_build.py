@@ -125,6 +125,38 @@ def test_initialisers_are_off_for_the_build_only():
     assert real.fc.weight.std() < 0.05  # its own init ran (std 0.02), not nn.Linear's (0.14)
 
 
+FIRST_IMPORT = """
+import ddpkit, torch
+
+def gpt2():  # transformers is first imported here, inside the estimate's build
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=512))
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+from ddpkit.engine.empty import build_empty
+
+with FakeTensorMode() as mode:  # the trace's build (the estimate, plan, fits, the simulated step)
+    assert build_empty(gpt2, "gpt2", mode)[1] == "fake tensors, initialisers off"
+import transformers.initialization as hf_init
+assert hf_init.TORCH_INIT_FUNCTIONS["normal_"] is torch.nn.init.normal_
+torch.manual_seed(0)
+print(gpt2().transformer.wte.weight.std().item())
+"""
+
+
+def test_a_module_first_imported_during_the_build_gets_the_real_initialisers():
+    """A fake build that imports transformers for the first time (a model factory that imports
+    it, the way a notebook's first cell does) must not leave its init table with the stand-ins: every model built afterwards would be
+    uninitialised memory. A fresh interpreter, as this one has imported transformers already."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FIRST_IMPORT], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert abs(float(out.stdout.split()[-1]) - 0.02) < 0.002  # GPT-2's init: normal, std 0.02
+
+
 def test_a_model_that_reads_a_value_is_built_on_meta_then_fake(pool):
     cfg = ddpkit.TrainConfig(model=ReadsAValue, data=token_pairs, micro_batch=4, steps=2, **CPU,
                              checkpoint=2)

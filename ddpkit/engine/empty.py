@@ -75,6 +75,22 @@ def initialisers_off():
         finally:
             for space, name, fn in patched:
                 space[name] = fn
+            _unbind_new_imports(originals)
+
+
+def _unbind_new_imports(originals):
+    """A module first imported inside the block bound the stand-in (``from torch.nn.init import
+    normal_``; transformers builds its ``TORCH_INIT_FUNCTIONS`` table at import): give it the
+    real initialisers, or every model built afterwards in this process would keep whatever
+    memory held (an estimate of a transformers model run before its first import did that)."""
+    spaces = [m.__dict__ for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)]
+    table = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
+    if isinstance(table, dict):
+        spaces.append(table)
+    for space in spaces:
+        for name, fn in originals.items():
+            if space.get(name) is _untouched:
+                space[name] = fn
 
 
 def _materialise(model, device="cpu"):
