@@ -17,9 +17,11 @@ def work(ctx, x=None):
 
 
 def _busy_port():
+    """Bound at collection (the cases name its number), listening only while this module runs:
+    under pytest-xdist every worker collects this module, and a listener held all session long
+    would be seen by the other tests that list the process's sockets (tests/test_loopback.py)."""
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen()
+    s.bind(("127.0.0.1", 0))  # no SO_REUSEADDR: nobody else can bind the port from here on
     return s
 
 
@@ -80,6 +82,7 @@ CASES = [
 
 @pytest.fixture(scope="module", autouse=True)
 def busy_port():
+    BUSY.listen()  # a port in use, as a user meets it: someone is listening on it
     yield PORT
     BUSY.close()
 
