@@ -2,6 +2,7 @@
 
 After a notebook's kernel has shut down, no process that was started while it ran may still be
 alive (ranks notice a dead kernel within a second and exit: launcher docs)."""
+import os
 import time
 from pathlib import Path
 
@@ -11,11 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+
+
 def _ours(p):
-    """Started from this checkout: a rank inherits its kernel's working folder (the notebook's),
-    also once it is orphaned; another checkout's runs on the same machine are not ours."""
+    """Started from this checkout by this pytest worker: a rank inherits its kernel's working
+    folder (the notebook's) and environment, also once it is orphaned; another checkout's runs,
+    and the notebooks another xdist worker runs at the same time, are not ours."""
     try:
-        return Path(p.cwd()).resolve().is_relative_to(ROOT)
+        return (Path(p.cwd()).resolve().is_relative_to(ROOT)
+                and p.environ().get("PYTEST_XDIST_WORKER", "") == WORKER)
     except (psutil.Error, OSError):
         return False
 
