@@ -426,3 +426,34 @@ def test_every_finding_has_its_own_name_and_a_severity():
         n: "note" if n in rules.NOTES else "warning" for n in named}
     with pytest.raises(ValueError, match="'made_up': not a pitfall of the catalogue"):
         Finding("made_up", "x", "y", "z")
+
+
+def test_no_dropout_finding_while_another_thread_forks_the_rng():
+    """The Lab simulates steps on its own threads inside a fork of the process's RNG (building a
+    model seeds it); the doctor, run meanwhile for the Run button, compares that same RNG across
+    backward. Each holds `ddpkit.engine.rng`'s lock, so a model with no random op is never said
+    to recompute dropout (it was, in a Lab test run beside a simulation)."""
+    import threading
+
+    from ddpkit.engine import rng
+
+    stop = threading.Event()
+
+    def simulate_like_the_lab():
+        i = 0
+        while not stop.is_set():
+            with rng.forked():
+                torch.manual_seed(i)  # as building a model does
+                torch.randn(64)
+                time.sleep(0.0005)
+            i += 1
+
+    cfg = TrainConfig(model="gpt", n_blocks=2, width=16, seq_len=8, checkpoint="full", dropout=0.0)
+    thread = threading.Thread(target=simulate_like_the_lab, daemon=True)
+    thread.start()
+    try:
+        found = [doctor(cfg).pitfalls for _ in range(20)]
+    finally:
+        stop.set()
+        thread.join()
+    assert all("dropout_rng" not in f for f in found), found

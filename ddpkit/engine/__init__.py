@@ -9,5 +9,6 @@ as one region on a loop the model owns) · `data.py` (datasets and
 per-rank batches) · `strategies.py` (ddp, ZeRO-1, FSDP: wrap after checkpointing) · `step.py`
 (one optimizer step, rank-agnostic) · `probes.py` (memory, comm, time, FLOPs) · `measure.py`
 (the probes a run turned on and when each reads) · `saving.py`
-(atomic checkpoints, exact resume) · `loop.py` (`train_rank`: the loop each rank runs).
+(atomic checkpoints, exact resume) · `rng.py` (the process's RNG, forked by one thread at a
+time) · `loop.py` (`train_rank`: the loop each rank runs).
 """

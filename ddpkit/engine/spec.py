@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from . import rng
+
 BUILTIN = ("mlp", "gpt")
 
 
@@ -172,7 +174,7 @@ def model_info(model_spec, blocks=None, seed=0, build=None):
     if build is None and hit is not None and hit[0] is model_spec:
         return hit[1]
     factory = build if build is not None else factory_of(model_spec)
-    with torch.random.fork_rng(devices=[]):
+    with rng.forked():
         torch.manual_seed(seed)
         model, how = build_empty(factory, f"TrainConfig.model={describe_spec(model_spec)}",
                                  who="TrainConfig (finding the blocks)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import TrainConfig
-from ..engine import saving
+from ..engine import rng, saving
 from ..engine.data import make_dataset
 from ..engine.loop import train_rank
 from ..runtime.launch import launch
@@ -180,7 +180,7 @@ def check_config(cfg):
     # the hazards are structural: a micro-batch of 2 (short sequences) finds them as well, and
     # the kernel's RNG is left as it was (building the model seeds it)
     small = cfg.replace(micro_batch=min(cfg.micro_batch, 2), seq_len=min(cfg.seq_len, 16))
-    with torch.random.fork_rng(devices=[]):
+    with rng.forked():
         findings = doctor(small)
     for f in findings.warnings:
         warnings.warn(f"ddpkit.doctor: {f!r}", stacklevel=3)

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..engine import empty, memory, strategies
+from ..engine import empty, memory, rng, strategies
 from ..engine.memory import optimizer_tensors, storages
 from ..engine.probes import ActivationProbe
 from ..engine.blocks import resolve_blocks
@@ -168,13 +168,13 @@ def simulate(cfg, rank=0, steps=2, keep=None):
     mode = FakeTensorMode()
     template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                         real_batch)
-    with torch.random.fork_rng(devices=[]):
+    with rng.forked():
         model, how = fake_model(cfg, mode, keep)  # no initialisation: `ddpkit.engine.empty`
     stage = functools.partial(empty.stage, who="ddpkit.estimate(cfg).peak()",
                               model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
     blocks = resolve_blocks(model, cfg.blocks_path)
     setting = cfg.checkpointing if keep is None else CheckpointSetting.of(cfg.checkpoint, len(blocks))
-    with _LOCK, fake_world(rank, cfg.world_size), torch.random.fork_rng(devices=[]), mode, \
+    with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live):
         # made before the tracking began (no name left holding the last of them: FSDP frees

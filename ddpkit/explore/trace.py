@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from ..engine import strategies
+from ..engine import rng, strategies
 from ..engine.policies import CheckpointSetting
 from . import attention
 from .scale import SCALE_ABOVE
@@ -57,7 +57,7 @@ class Traced:
         real_batch = example_batch(cfg)
         # FSDP's mixed precision computes with bf16 parameters and casts float inputs to bf16
         dtype = strategies.mixed_dtype(cfg)
-        with torch.random.fork_rng(devices=[]):
+        with rng.forked():
             self.model, self.how = fake_model(cfg, self.mode, keep, dtype)
         cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
         self.batch = torch.utils._pytree.tree_map(

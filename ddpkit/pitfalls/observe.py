@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointError
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from ..engine import rng
 from ..engine.blocks import block_names, find_stacks, stack_sizes
 from ..engine.policies import CheckpointSetting, remove
 
@@ -186,7 +187,9 @@ def measure(model, forward, segments, watch):
                  if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.num_batches_tracked is not None}
     devices = {p.device.type for _, p in params}
     try:
-        with warnings.catch_warnings(record=True) as caught, torch.enable_grad():
+        # rng.LOCK: no other thread of ddpkit's forks (seeds) the process's RNG between the two
+        # reads of it that tell whether backward drew random numbers
+        with rng.LOCK, warnings.catch_warnings(record=True) as caught, torch.enable_grad():
             warnings.simplefilter("always")
             watch.phase = "forward"
             loss = forward(model)
