@@ -176,6 +176,26 @@ def test_records_and_prints_arrive_live(tmp_path, capsys):
     assert len(seen) == 4 and res.metrics == seen
 
 
+def tensor_records(ctx):
+    ctx.log(step=0, vec=torch.arange(3.0))
+    ctx.log(step=1, vec=torch.arange(3.0) * 2)
+    return ctx.rank
+
+
+def test_a_tensor_record_read_after_its_rank_ended_still_arrives():
+    # on_metric holds the kernel on the first record while the rank sends the second, returns
+    # and exits: the second is read from a rank that is gone (a busy kernel, a slow callback).
+    # Sent through multiprocessing's pickler, its tensor was a shared-memory descriptor fetched
+    # from the dead rank, and the run ended in "ProcessDied ... exited with code 0"
+    def slow_first(record):
+        if record["step"] == 0:
+            time.sleep(1.5)
+
+    res = ddpkit.launch(tensor_records, world_size=1, on_metric=slow_first)
+    assert res.returns == [0]
+    assert [m["vec"].tolist() for m in res.metrics] == [[0.0, 1.0, 2.0], [0.0, 2.0, 4.0]]
+
+
 def test_rank_prints_show_prefixed_by_rank(capsys):
     res = ddpkit.launch(allreduce_work, 1.0, world_size=2)
     out = capsys.readouterr().out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import sys
 import threading
 import time
@@ -33,10 +34,10 @@ def plain(value):
 
 
 def _cpu_copy(t):
-    """A CPU tensor for the kernel. Records travel through multiprocessing's pickler, for which
-    torch.multiprocessing registers CUDA IPC (``multiprocessing/reductions.py``: the kernel would
-    map this rank's GPU memory, valid only while the rank lives); a pickled CUDA tensor is rebuilt
-    on ``cuda:r`` (``storage.py``: ``torch.save`` keeps its device), so the kernel would use a GPU."""
+    """A CPU tensor for the kernel: a pickled CUDA tensor is rebuilt on ``cuda:r`` (``storage.py``:
+    ``torch.save`` keeps its device), so the kernel would use a GPU. (Records are pickled by value,
+    `Channel.send`: torch.multiprocessing's reductions would send CUDA IPC handles and shared-memory
+    descriptors, valid only while the rank lives.)"""
     if t.device.type == "cpu":
         return t
     out = t.detach().cpu()
@@ -68,9 +69,15 @@ class Channel:
         self._lock = threading.Lock()
 
     def send(self, kind, payload=None):
+        # Pickled here, by value. ``conn.send`` would use multiprocessing's pickler, for which
+        # torch.multiprocessing registers its shared-memory reductions: a CPU tensor in a record
+        # would travel as a file descriptor that the kernel fetches from this process's
+        # resource sharer on reading it, which fails once this rank has exited (a record read
+        # late, after the rank returned, was lost and the run called a crash).
+        data = pickle.dumps((kind, self.rank, payload, time.time()), pickle.HIGHEST_PROTOCOL)
         with self._lock:
             try:
-                self.conn.send((kind, self.rank, payload, time.time()))
+                self.conn.send_bytes(data)
             except (BrokenPipeError, EOFError, OSError):
                 pass  # the kernel is gone or stopped us; nothing left to tell
 
