@@ -188,13 +188,14 @@ KERNEL = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_a_killed_kernel_leaves_no_orphan_rank(method):
+def test_a_killed_kernel_leaves_no_orphan_rank(method, tmp_path):
     """A kernel restart kills the kernel (SIGKILL): its warm ranks must end by themselves (a
     forkserver's ranks are the server's children: the server ends with the kernel, and so do
-    they)."""
+    they). The kernel gets a temporary directory of the test's: killed, it cannot remove its
+    multiprocessing folder (the forkserver's socket), which would otherwise stay in /tmp."""
     proc = subprocess.Popen([sys.executable, "-c", KERNEL], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, DDPKIT_START_METHOD=method))
+                            env=dict(os.environ, DDPKIT_START_METHOD=method, TMPDIR=str(tmp_path)))
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
