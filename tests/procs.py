@@ -36,3 +36,10 @@ def port_is_free(port):
             return True
         except OSError:
             return False
+
+
+def in_tmp(tmp_path):
+    """This process's environment with TMPDIR at a test's ``tmp_path``, for a command that
+    leaves temporary files behind: torchrun writes its workers' logs to a
+    ``tempfile.mkdtemp(prefix="torchelastic_")`` that it never removes."""
+    return {**os.environ, "TMPDIR": str(tmp_path)}

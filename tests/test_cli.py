@@ -10,6 +10,7 @@ import pytest
 
 import ddpkit
 from ddpkit.cli import main
+from procs import in_tmp
 
 ARGS = ["--model", "mlp", "--n-blocks", "4", "--width", "32", "--micro-batch", "4",
         "--accum-steps", "2", "--checkpoint", "2", "--steps", "3"]
@@ -36,7 +37,7 @@ def test_same_command_under_torchrun_gives_the_same_losses(tmp_path):
     out = tmp_path / "tr.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "-m", "ddpkit", "train", *ARGS, "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=in_tmp(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     torchrun = json.loads(out.read_text())
     cfg = ddpkit.TrainConfig(model="mlp", n_blocks=4, width=32, micro_batch=4, accum_steps=2,
@@ -125,7 +126,7 @@ def test_two_torchrun_nodes_on_loopback_give_the_same_losses(tmp_path):
                "-m", "ddpkit", "train", *ARGS,
                "--json", str(out)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+                                      text=True, env=in_tmp(tmp_path)))
         time.sleep(1.0)  # node 0 first: it hosts the rendezvous store on the endpoint
     try:
         results = [p.communicate(timeout=120) for p in procs]

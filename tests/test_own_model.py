@@ -14,6 +14,7 @@ import ddpkit
 from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
 from ddpkit.engine.spec import build_model
+from procs import in_tmp
 
 pytest.importorskip("transformers")
 
@@ -159,7 +160,8 @@ def test_torchrun_trains_a_model_by_import_path(tmp_path):
     root = Path(__file__).parent.parent  # the import path is relative to the project root
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "-m", "ddpkit", "train", *args, "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=root)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=root,
+                          env=in_tmp(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     cfg = ddpkit.TrainConfig(model="tests.fixtures_module:make_model",
                              data="tests.fixtures_module:make_data",

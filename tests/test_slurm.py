@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import ddpkit
+from procs import in_tmp
 
 CFG = dict(model="mlp", n_blocks=4, width=32, micro_batch=4, accum_steps=2, checkpoint=2, steps=3)
 BIN = str(Path(sys.executable).parent)  # this environment's torchrun
@@ -117,7 +118,7 @@ def test_the_script_runs_as_two_nodes_on_loopback_with_the_losses_of_train(tmp_p
     script = tmp_path / "job.sh"
     script.write_text(ddpkit.TrainConfig(**CFG).to_slurm(nodes=2, gpus_per_node=1,
                                                          port=free_port()))
-    env = {**os.environ, **LOOPBACK, "PATH": f"{fake}:{BIN}:{os.environ['PATH']}",
+    env = {**in_tmp(tmp_path), **LOOPBACK, "PATH": f"{fake}:{BIN}:{os.environ['PATH']}",
            "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[0-1]"}
     rc, out = run_bounded(["bash", str(script)], 150, cwd=tmp_path, env=env)
     assert rc == 0, out[-3000:]
