@@ -90,9 +90,10 @@ def test_a_used_pool_gives_bitwise_what_a_fresh_launch_gives():
     for key in ("loss", "grad_norm", "activation_bytes", "allreduce_bytes", "allreduce_calls"):
         assert in_order(reused, key) == in_order(fresh, key), key
     # the one figure two fresh launches may already differ in: gloo's asynchronous work can
-    # hold a 4-byte scalar at the peak's moment (1 fresh run in 4 showed 220,704 B, not 220,700)
+    # hold small tensors at the peak's moment (1 fresh run in 4 showed 220,704 B, not 220,700;
+    # a fresh-clone run under heavy load 220,776), so 256 B, as notebooks 02, 08 and 09 allow
     for a, b in zip(in_order(reused, "peak_bytes"), in_order(fresh, "peak_bytes")):
-        assert (a is None) == (b is None) and (a is None or abs(a - b) <= 8), (a, b)
+        assert (a is None) == (b is None) and (a is None or abs(a - b) <= 256), (a, b)
     assert len(in_order(fresh, "loss")) == 2 * cfg.steps
     assert fresh.state_dict.keys() == reused.state_dict.keys()
     for k, v in fresh.state_dict.items():
