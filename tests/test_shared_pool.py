@@ -14,7 +14,7 @@ import torch
 
 import ddpkit
 from ddpkit.runtime import pool as shared
-from procs import port_is_free, rank_children
+from procs import in_tmp, port_is_free, rank_children
 
 CFG = dict(model="mlp", n_blocks=2, width=32, world_size=2, micro_batch=8, steps=3,
            backend="gloo", device="cpu")
@@ -196,7 +196,7 @@ def test_a_killed_kernel_leaves_no_orphan_rank(method, tmp_path):
     multiprocessing folder (the forkserver's socket), which would otherwise stay in /tmp."""
     proc = subprocess.Popen([sys.executable, "-c", KERNEL], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, DDPKIT_START_METHOD=method, TMPDIR=str(tmp_path)))
+                            env={**in_tmp(tmp_path), "DDPKIT_START_METHOD": method})
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
