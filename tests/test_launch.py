@@ -179,21 +179,30 @@ def test_records_and_prints_arrive_live(tmp_path, capsys):
 def tensor_records(ctx):
     ctx.log(step=0, vec=torch.arange(3.0))
     ctx.log(step=1, vec=torch.arange(3.0) * 2)
-    return ctx.rank
+    w = torch.arange(12_000_000, dtype=torch.float32).reshape(3000, 4000)  # 48 MB
+    # tied weights (one storage twice), a strided view of it, another dtype
+    return {"rank": ctx.rank, "w": w, "tied": w, "view": w[1::2, ::3], "half": w[0].bfloat16()}
 
 
-def test_a_tensor_record_read_after_its_rank_ended_still_arrives():
+def test_tensor_records_and_a_return_read_after_their_rank_ended_still_arrive():
     # on_metric holds the kernel on the first record while the rank sends the second, returns
-    # and exits: the second is read from a rank that is gone (a busy kernel, a slow callback).
-    # Sent through multiprocessing's pickler, its tensor was a shared-memory descriptor fetched
-    # from the dead rank, and the run ended in "ProcessDied ... exited with code 0"
+    # and exits: the rest is read from a rank that is gone (a busy kernel, a slow callback).
+    # Sent through multiprocessing's pickler, a record's tensor was a shared-memory descriptor
+    # fetched from the dead rank, and the run ended in "ProcessDied ... exited with code 0".
+    # The return value's bytes follow its message on the pipe (ddpkit/rank/returns.py)
     def slow_first(record):
         if record["step"] == 0:
             time.sleep(1.5)
 
     res = ddpkit.launch(tensor_records, world_size=1, on_metric=slow_first)
-    assert res.returns == [0]
     assert [m["vec"].tolist() for m in res.metrics] == [[0.0, 1.0, 2.0], [0.0, 2.0, 4.0]]
+    value = res.returns[0]
+    w = torch.arange(12_000_000, dtype=torch.float32).reshape(3000, 4000)
+    assert value["rank"] == 0 and torch.equal(value["w"], w)
+    assert value["tied"] is value["w"]  # one tensor in, one out: sent once
+    assert torch.equal(value["view"], w[1::2, ::3]) and value["view"].stride() == (8000, 3)
+    assert value["view"].untyped_storage().data_ptr() == value["w"].untyped_storage().data_ptr()
+    assert value["half"].dtype == torch.bfloat16 and torch.equal(value["half"], w[0].bfloat16())
 
 
 def test_rank_prints_show_prefixed_by_rank(capsys):

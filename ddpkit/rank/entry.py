@@ -22,7 +22,8 @@ import torch
 from .. import devices, shipping
 from .context import Context
 from .fresh import Baseline, release_memory
-from .output import Channel, OutputForwarder, dumps_for_kernel
+from .output import Channel, OutputForwarder
+from .returns import dumps_for_kernel
 from .process_group import destroy_group, init_group, set_collective_timeout, start_group
 
 
@@ -247,12 +248,12 @@ def _run_job(ctx, channel, output, job, baseline):
         channel.send("started")
         value = fn(ctx, *args, **kwargs)
         try:
-            blob = dumps_for_kernel(value)
+            blob, buffers = dumps_for_kernel(value)
         except Exception as exc:
             raise TypeError(f"rank {ctx.rank} returned a {type(value).__name__} that cannot be "
                             f"pickled ({exc}); return plain data (numbers, dicts, CPU tensors)") from exc
         output.sync()
-        channel.send("return", blob)
+        channel.send_value(blob, buffers)
         return True
     except BaseException as exc:
         output.sync()

@@ -1,28 +1,29 @@
 """Everything a rank says to the kernel, over its one pipe.
 
 Messages are small tuples ``(kind, rank, payload, t)``: ``started``, ``metric``, ``print``,
-``return``, ``error``. The kernel never reads a rank's stdout: file descriptors 1 and 2 are
-re-pointed at a pipe whose lines are forwarded as ``print`` messages, so rank output cannot land
-in whichever notebook cell happens to be running. Tensors reach the kernel as CPU tensors.
+``return``, ``error``; a ``return``'s tensor bytes follow it on the pipe (`returns.py`). The
+kernel never reads a rank's stdout: file descriptors 1 and 2 are re-pointed at a pipe whose
+lines are forwarded as ``print`` messages, so rank output cannot land in whichever notebook cell
+happens to be running. Tensors reach the kernel as CPU tensors.
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import sys
 import threading
 import time
 
-import cloudpickle
 import torch
+
+from .returns import cpu_copy, write_buffers
 
 
 def plain(value):
     """Turn one-element tensors and numpy scalars into Python numbers so records pickle small;
-    other tensors become CPU copies (see `_cpu_copy`), inside lists, tuples and dicts too."""
+    other tensors become CPU copies (see `returns.cpu_copy`), inside lists, tuples and dicts too."""
     if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else _cpu_copy(value)
+        return value.item() if value.numel() == 1 else cpu_copy(value)
     if isinstance(value, (list, tuple)):
         items = [plain(v) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
@@ -31,34 +32,6 @@ def plain(value):
     if hasattr(value, "item") and getattr(value, "shape", None) == ():
         return value.item()
     return value
-
-
-def _cpu_copy(t):
-    """A CPU tensor for the kernel: a pickled CUDA tensor is rebuilt on ``cuda:r`` (``storage.py``:
-    ``torch.save`` keeps its device), so the kernel would use a GPU. (Records are pickled by value,
-    `Channel.send`: torch.multiprocessing's reductions would send CUDA IPC handles and shared-memory
-    descriptors, valid only while the rank lives.)"""
-    if t.device.type == "cpu":
-        return t
-    out = t.detach().cpu()
-    return out.requires_grad_() if t.requires_grad and t.is_leaf else out
-
-
-class _CpuPickler(cloudpickle.CloudPickler):
-    """cloudpickle that sends every plain tensor as its CPU copy, wherever it sits in the value
-    (a Parameter pickles its ``.data``, a plain tensor, so it is moved too)."""
-
-    def reducer_override(self, obj):
-        if type(obj) is torch.Tensor and obj.device.type != "cpu":
-            return _cpu_copy(obj).__reduce_ex__(self.proto)
-        return super().reducer_override(obj)
-
-
-def dumps_for_kernel(value):
-    """Pickle a rank's return value with every tensor on CPU."""
-    buf = io.BytesIO()
-    _CpuPickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
-    return buf.getvalue()
 
 
 class Channel:
@@ -80,6 +53,19 @@ class Channel:
                 self.conn.send_bytes(data)
             except (BrokenPipeError, EOFError, OSError):
                 pass  # the kernel is gone or stopped us; nothing left to tell
+
+    def send_value(self, blob, buffers):
+        """A return value from `returns.dumps_for_kernel`: the pickle and its buffers' sizes in
+        one message, then the buffers' bytes on the pipe itself (the lock keeps any output line
+        from landing in between)."""
+        data = pickle.dumps(("return", self.rank, (blob, [len(b) for b in buffers]), time.time()),
+                            pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            try:
+                self.conn.send_bytes(data)
+                write_buffers(self.conn.fileno(), buffers)
+            except (BrokenPipeError, EOFError, OSError):
+                pass
 
     def poll(self):
         with self._lock:

@@ -13,9 +13,8 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as _wait_ready
 
-import cloudpickle
-
 from ..errors import RankError, RankStalled
+from ..rank.returns import loads_from_rank, read_buffers
 
 _CONSEQUENCE_MARKERS = (
     "connection closed by peer", "connection reset", "broken pipe", "connection refused",
@@ -167,6 +166,9 @@ class RunHandle:
         r = seen.rank_of[conn]
         try:
             kind, _, payload, t = conn.recv()
+            if kind == "return":  # the value's tensor bytes follow on the same pipe
+                blob, sizes = payload
+                payload = loads_from_rank(blob, read_buffers(conn.fileno(), sizes))
         except (EOFError, OSError):
             seen.open_conns.discard(conn)
             if seen.running(r):
@@ -186,7 +188,7 @@ class RunHandle:
         elif kind == "started":
             seen.started_at[r] = now
         elif kind == "return":
-            self.returns[r] = cloudpickle.loads(payload)
+            self.returns[r] = payload
             seen.returned.add(r)
         elif kind == "error":
             seen.errors[r] = dict(payload, t=t)
