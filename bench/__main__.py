@@ -5,13 +5,13 @@
 import datetime
 from pathlib import Path
 
-from bench import breadth, checkpointing, curriculum, launch, live_plots, overhead
+from bench import breadth, checkpointing, curriculum, launch, live_plots, overhead, returns
 from bench._common import machine
 
 
 def main():
-    parts = [launch.main([]), overhead.main([]), live_plots.main([]), checkpointing.main([]),
-             breadth.main([]), curriculum.main([])]
+    parts = [launch.main([]), returns.main([]), overhead.main([]), live_plots.main([]),
+             checkpointing.main([]), breadth.main([]), curriculum.main([])]
     head = (f"# ddpkit benchmarks\n\nMeasured by `python -m bench` on "
             f"{datetime.date.today().isoformat()}, {machine()}. Timings are medians with their "
             f"spread, measured side by side in one run; byte and FLOP counts are exact.\n\n")

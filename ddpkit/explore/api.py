@@ -117,9 +117,11 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
     False launches fresh ranks for this run alone; a `ddpkit.Pool` runs on that pool.
     resume_from: a save_dir (resumes from its latest complete checkpoint) or a checkpoint
     folder; the run continues at the step after it, with the same data, RNG and optimizer.
-    check: run `ddpkit.doctor` on the config first (one forward/backward on this process, about
-    10 ms); its warnings are warned about, and every finding (notes too) is kept in
-    ``TrainResult.findings``.
+    check: run `ddpkit.doctor` on the config first: the model built on this process and run
+    once forward and backward at a micro-batch of at most 2 and at most 16 tokens (about 10 ms
+    for the built-ins; building a large model is most of it: GPT-2 small takes 2.5 s and about
+    500 MB here). Its warnings are warned about, and every finding (notes too) is kept in
+    ``TrainResult.findings``; ``check=False`` skips it.
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
