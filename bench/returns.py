@@ -3,7 +3,7 @@
 the pickle, what ddpkit sent before), for weights of GPT-2 small's shapes (124M parameters plus
 the untied head ``full_state_dict`` returns: 652 MB).
 
-    python -m bench.returns [--repeat 3]
+    python -m bench.returns [--repeat 5]
 
 One warm rank builds the weights, notes the time and returns them; the kernel notes when the
 value is in its hands (for torch's pickling: after ``cloudpickle.loads``, which the kernel used
@@ -62,7 +62,7 @@ def one(pool, how):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     names = {"ddpkit": "tensors beside the pickle (ddpkit)", "torch": "torch's pickling (before)"}
     times = {k: [] for k in names}

@@ -205,6 +205,24 @@ def test_tensor_records_and_a_return_read_after_their_rank_ended_still_arrive():
     assert value["half"].dtype == torch.bfloat16 and torch.equal(value["half"], w[0].bfloat16())
 
 
+class OpensAFile:
+    """Unpickled, it opens a file that is not there: an OSError raised while the kernel loads
+    a value, not a pipe's end."""
+
+    def __reduce__(self):
+        return (open, ("/nonexistent/ddpkit-return",))
+
+
+def returns_opens_a_file(ctx):
+    return OpensAFile()
+
+
+def test_a_value_that_fails_to_load_in_the_kernel_says_why_not_that_the_rank_died():
+    with pytest.raises(FileNotFoundError, match="ddpkit-return"):
+        ddpkit.launch(returns_opens_a_file, world_size=1)
+    assert rank_children() == []
+
+
 def test_rank_prints_show_prefixed_by_rank(capsys):
     res = ddpkit.launch(allreduce_work, 1.0, world_size=2)
     out = capsys.readouterr().out

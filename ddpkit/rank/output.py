@@ -63,7 +63,7 @@ class Channel:
         with self._lock:
             try:
                 self.conn.send_bytes(data)
-                write_buffers(self.conn.fileno(), buffers)
+                write_buffers(self.conn, buffers)
             except (BrokenPipeError, EOFError, OSError):
                 pass
 

@@ -15,9 +15,11 @@ is pickled by torch as before, CUDA ones as their CPU copy.
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import pickle
+import sys
 
 import cloudpickle
 import torch
@@ -34,16 +36,28 @@ def cpu_copy(t):
 
 def _plain_strided(t):
     """A dense CPU tensor that is only its storage, dtype, shape and strides."""
-    return (t.layout == torch.strided and not t.is_quantized and not t.is_conj()
-            and not t.is_neg() and not t.__dict__)
+    return (t.layout == torch.strided and not t.is_nested and not t.is_quantized
+            and not t.is_mkldnn and not t.is_conj() and not t.is_neg()
+            and not t._is_zerotensor() and not t.__dict__)
 
 
 def _storage(buf):
-    """The kernel's side of an out-of-band storage: ``buf`` (a bytearray read from the pipe)
-    becomes the storage's memory, no copy."""
-    if len(buf) == 0:
-        return torch.UntypedStorage(0)
-    return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+    """The kernel's side of an out-of-band storage. ``buf`` is the uint8 tensor `read_buffers`
+    read the bytes into: its storage becomes the tensor's, no copy (torch's own allocation, so
+    resizable as any). Any other buffer (a value loaded in one process) is copied into one."""
+    if not isinstance(buf, torch.Tensor):
+        view = memoryview(buf).cast("B")
+        buf = torch.empty(len(view), dtype=torch.uint8)
+        _memory(buf.untyped_storage())[:] = view
+    return buf.untyped_storage()
+
+
+def _memory(storage):
+    """A writable memoryview of a CPU storage's bytes that keeps the storage alive as long as
+    it lives (through ctypes: ``.numpy()`` would also mark the storage not resizable)."""
+    array = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
+    array.storage = storage
+    return memoryview(array).cast("B")
 
 
 def _tensor(storage, dtype, size, stride, offset, requires_grad):
@@ -61,8 +75,7 @@ class _Pickler(cloudpickle.CloudPickler):
             return _tensor, (cpu.untyped_storage(), cpu.dtype, tuple(cpu.shape), cpu.stride(),
                              cpu.storage_offset(), cpu.requires_grad)
         if type(obj) is torch.UntypedStorage and obj.device.type == "cpu":
-            view = torch.empty(0, dtype=torch.uint8).set_(obj).numpy()  # keeps obj alive
-            return _storage, (pickle.PickleBuffer(view),)
+            return _storage, (pickle.PickleBuffer(_memory(obj)),)
         return super().reducer_override(obj)
 
 
@@ -78,24 +91,37 @@ def loads_from_rank(blob, buffers):
     return pickle.loads(blob, buffers=buffers)
 
 
-def write_buffers(fd, buffers):
-    """Each buffer's bytes to the pipe ``fd``, whole (the kernel knows their sizes already)."""
+def write_buffers(conn, buffers):
+    """Each buffer's bytes to the rank's pipe ``conn`` (a `multiprocessing.connection.Connection`),
+    whole: the kernel knows their sizes already. On POSIX straight to the pipe's descriptor
+    (the Connection neither buffers nor reads ahead, so the two never mix)."""
     for buf in buffers:
         view = memoryview(buf).cast("B")
+        if not _RAW:
+            conn.send_bytes(view)
+            continue
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(conn.fileno(), view):]
 
 
-def read_buffers(fd, sizes):
-    """What `write_buffers` wrote: one bytearray per size. EOFError if the rank went away."""
+def read_buffers(conn, sizes):
+    """What `write_buffers` wrote: one uint8 tensor per size, read straight into its memory.
+    EOFError if the rank went away meanwhile."""
     out = []
     for n in sizes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
+        buf = torch.empty(n, dtype=torch.uint8)
+        view, got = _memory(buf.untyped_storage()), 0
+        if not _RAW:
+            conn.recv_bytes_into(view)
+            got = n
         while got < n:
-            k = os.readv(fd, [view[got:]])
+            k = os.readv(conn.fileno(), [view[got:]])
             if k == 0:
                 raise EOFError(f"the rank's pipe closed {got} bytes into a {n}-byte buffer")
             got += k
         out.append(buf)
     return out
+
+
+# a Connection's fileno() is a descriptor on POSIX (a socketpair), a handle on Windows
+_RAW = sys.platform != "win32" and hasattr(os, "readv")

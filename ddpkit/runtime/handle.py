@@ -168,7 +168,7 @@ class RunHandle:
             kind, _, payload, t = conn.recv()
             if kind == "return":  # the value's tensor bytes follow on the same pipe
                 blob, sizes = payload
-                payload = loads_from_rank(blob, read_buffers(conn.fileno(), sizes))
+                buffers = read_buffers(conn, sizes)
         except (EOFError, OSError):
             seen.open_conns.discard(conn)
             if seen.running(r):
@@ -188,7 +188,7 @@ class RunHandle:
         elif kind == "started":
             seen.started_at[r] = now
         elif kind == "return":
-            self.returns[r] = payload
+            self.returns[r] = loads_from_rank(blob, buffers)  # its own errors are its own
             seen.returned.add(r)
         elif kind == "error":
             seen.errors[r] = dict(payload, t=t)
