@@ -78,7 +78,7 @@ def _train_under_torchrun(args):
         start_job(ctx, cfg.seed)  # seeded as a spawned rank would be
         progress = Progress(cfg, args.verbose) if ctx.is_main else None
         ctx.on_record = progress or (lambda record: None)  # only global rank 0 reports
-        train_rank(ctx, cfg)
+        train_rank(ctx, cfg, return_weights=False)  # no kernel here to hand them to
         if ctx.is_main:
             progress.close()
             print(summary_table(cfg, ctx.records))

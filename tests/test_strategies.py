@@ -122,3 +122,23 @@ def test_fsdp_mesh_is_the_jobs_group_with_the_jobs_timeout_on_a_gpu_box(pool):
         assert ours == (True, 200.0)
         # what init_device_mesh did there: a group of its own with torch's 30-minute default
         assert theirs == (False, 1800.0)
+
+
+def train_without_weights(ctx, cfg):
+    """What the CLI runs under torchrun: the weights are neither gathered nor copied."""
+    from ddpkit.engine import loop, strategies
+
+    def refused(*args, **kwargs):
+        raise AssertionError("full_state_dict ran, though nobody receives the weights")
+
+    original, strategies.full_state_dict = strategies.full_state_dict, refused
+    try:
+        return loop.train_rank(ctx, cfg, return_weights=False)
+    finally:
+        strategies.full_state_dict = original  # a pool's rank lives on
+
+
+def test_under_torchrun_an_fsdp_run_gathers_no_weights_nobody_receives(pool):
+    cfg = ddpkit.TrainConfig(**BASE, strategy="fsdp")
+    res = ddpkit.launch(train_without_weights, cfg, pool=pool)
+    assert res.returns == [None, None] and len(res.metrics) == 2 * cfg.steps

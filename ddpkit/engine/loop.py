@@ -49,12 +49,15 @@ class LiveSettings:
         return changed
 
 
-def train_rank(ctx, cfg, live=False, resume_from=None):
+def train_rank(ctx, cfg, live=False, resume_from=None, return_weights=True):
     """Train ``cfg`` on this rank; log one record per optimizer step; rank 0 returns weights.
 
     live=True: settings sent from the kernel (``RunHandle.send_control``) are read on rank 0
     and broadcast (about every 0.1 s), so a change lands on every rank at the same step.
     resume_from: a save_dir (its latest complete checkpoint) or a checkpoint folder.
+    return_weights=False (the same on every rank): nothing is gathered or copied at the end;
+    under torchrun nobody receives them (an FSDP model's full gather to rank 0's memory would
+    be for nothing).
     """
     # before anything is built: on CPU the peak probe starts c10's count of live allocations
     measure = Measure(cfg, ctx.device, ctx.rank)
@@ -106,5 +109,7 @@ def train_rank(ctx, cfg, live=False, resume_from=None):
             saving.save(ctx, cfg, step, consumed, saved, optimizer, scheduler, cfg.save_dir, fsdp)
             record["saved"] = 1
         ctx.log(**record)
+    if not return_weights:
+        return None
     weights = strategies.full_state_dict(cfg, wrapped, model)  # collective under FSDP
     return weights if ctx.is_main else None
