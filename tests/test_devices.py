@@ -174,7 +174,6 @@ def lazy():
 
 
 def test_off_cpu_tensors_are_sent_as_cpu_copies(lazy):
-
     t = torch.arange(4.0, device=lazy)
     record = plain([t, {"x": t}, (t.sum(),)])
     assert record[0].device.type == "cpu" and record[1]["x"].device.type == "cpu"

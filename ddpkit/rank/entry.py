@@ -253,7 +253,7 @@ def _run_job(ctx, channel, output, job, baseline):
             raise TypeError(f"rank {ctx.rank} returned a {type(value).__name__} that cannot be "
                             f"pickled ({exc}); return plain data (numbers, dicts, CPU tensors)") from exc
         output.sync()
-        channel.send_value(blob, buffers)
+        channel.send("return", (blob, [len(b) for b in buffers]), buffers)
         return True
     except BaseException as exc:
         output.sync()

@@ -41,7 +41,9 @@ class Channel:
         self.conn, self.rank = conn, rank
         self._lock = threading.Lock()
 
-    def send(self, kind, payload=None):
+    def send(self, kind, payload=None, buffers=()):
+        """One message; ``buffers`` (a return value's tensor bytes, `returns.dumps_for_kernel`)
+        follow it on the pipe itself, the lock keeping any output line from landing between."""
         # Pickled here, by value. ``conn.send`` would use multiprocessing's pickler, for which
         # torch.multiprocessing registers its shared-memory reductions: a CPU tensor in a record
         # would travel as a file descriptor that the kernel fetches from this process's
@@ -51,21 +53,9 @@ class Channel:
         with self._lock:
             try:
                 self.conn.send_bytes(data)
-            except (BrokenPipeError, EOFError, OSError):
-                pass  # the kernel is gone or stopped us; nothing left to tell
-
-    def send_value(self, blob, buffers):
-        """A return value from `returns.dumps_for_kernel`: the pickle and its buffers' sizes in
-        one message, then the buffers' bytes on the pipe itself (the lock keeps any output line
-        from landing in between)."""
-        data = pickle.dumps(("return", self.rank, (blob, [len(b) for b in buffers]), time.time()),
-                            pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            try:
-                self.conn.send_bytes(data)
                 write_buffers(self.conn, buffers)
             except (BrokenPipeError, EOFError, OSError):
-                pass
+                pass  # the kernel is gone or stopped us; nothing left to tell
 
     def poll(self):
         with self._lock:
