@@ -73,7 +73,9 @@ def test_the_block_control_scales(n):
 
 
 def test_a_range_edit_mid_run_lands_as_one_change():
-    cfg = ddpkit.TrainConfig(**{**CFG, "n_blocks": 12, "width": 8, "steps": 400, "peak_every": 50})
+    # steps: enough that the run cannot end before the edit lands, on two loaded cores too (a
+    # full run saw it time out; a 400-step run lasts ~5 s alone); the test stops it once landed
+    cfg = ddpkit.TrainConfig(**{**CFG, "n_blocks": 12, "width": 8, "steps": 4000, "peak_every": 50})
     with ddpkit.Lab(cfg) as lab:
         lab.run()
         wait_for_steps(lab, 3)
@@ -84,7 +86,8 @@ def test_a_range_edit_mid_run_lands_as_one_change():
         want = [i in (0, 3, 6, 9) for i in range(12)]
         deadline = time.monotonic() + 30
         while {m["rank"] for m in list(lab.metrics) if m["checkpoint"] == want} != {0, 1}:
-            assert time.monotonic() < deadline, "the range edit never reached the ranks"
+            assert time.monotonic() < deadline, ("the range edit never reached the ranks",
+                                                 "run still going" if lab.running else "run ended")
             time.sleep(0.005)
         wait_for_steps(lab, rank0_steps(lab) + 2)
         row = lab.stop()
