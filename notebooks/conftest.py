@@ -27,10 +27,13 @@ def _ours(p):
 
 
 def _spawned():
+    """Ranks, spawned or forked from a forkserver, and the forkserver itself (which ends when
+    its kernel does)."""
     out = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "multiprocessing.spawn" in cmd and "resource_tracker" not in cmd and _ours(p):
+        started = "multiprocessing.spawn" in cmd or "multiprocessing.forkserver" in cmd
+        if started and "resource_tracker" not in cmd and _ours(p):
             out.add(p.info["pid"])
     return out
 

@@ -8,9 +8,10 @@ import psutil
 
 def rank_children(shared=False):
     """Child processes of this test process, leaving out multiprocessing's one resource tracker
-    (started once per interpreter by the first spawn, not per run) and, unless ``shared``, the
-    ranks of the kernel's shared warm pools (`ddpkit.train`'s default: they stay warm between
-    tests by design; the session's end checks that `ddpkit.shutdown` ends them)."""
+    (started once per interpreter by the first launch, not per run) and, unless ``shared``, what
+    `ddpkit.shutdown` ends: the ranks of the kernel's shared warm pools (`ddpkit.train`'s
+    default) and the forkserver (`ddpkit.runtime.start`): they stay between tests by design; the
+    session's end checks that `ddpkit.shutdown` ends them."""
     from ddpkit.runtime.pool import shared_pids
 
     warm = set() if shared else shared_pids()
@@ -19,9 +20,8 @@ def rank_children(shared=False):
     for p in psutil.Process().children(recursive=True):
         try:
             line = " ".join(p.cmdline())
-            # a forkserver (DDPKIT_START_METHOD=forkserver) lives as long as this process, as
-            # the resource tracker does; the ranks forked from it are its children, and count
-            server = "forkserver" in line and p.ppid() == me
+            # the forkserver outlives a run; the ranks forked from it are its children, and count
+            server = not shared and "forkserver" in line and p.ppid() == me
             if "resource_tracker" not in line and not server and p.pid not in warm:
                 out.append(p)
         except psutil.NoSuchProcess:

@@ -4,12 +4,9 @@
   two launches can never collide; it is closed when the group closes, freeing the port. It
   listens on ``host`` only (loopback by default), and so do the ranks' own gloo sockets: the
   store has no authentication, so nobody else on the network may reach it.
-* Ranks are started with ``torch.multiprocessing``'s **spawn** context, never fork (fork after
-  CUDA init breaks). Each starts in `ddpkit.rank.entry.rank_main` with one duplex pipe.
-  ``DDPKIT_START_METHOD=forkserver`` opts in to the forkserver: one fresh interpreter (never
-  the kernel, so never its CUDA state) imports torch once, and each rank is forked from it; it
-  saves a rank's interpreter start and ``import torch`` (``python -m bench.launch`` measures
-  both side by side).
+* Ranks are started by `ddpkit.runtime.start`: forkserver where no CUDA can exist (Linux, a
+  CPU build of torch), else spawn; never fork (fork after CUDA init breaks). Each starts in
+  `ddpkit.rank.entry.rank_main` with one duplex pipe.
 * Closing ends every rank: a moment to exit by themselves, then SIGTERM, then SIGKILL, then
   reap (grandchildren too). Groups still open at interpreter exit are closed then.
 """
@@ -29,10 +26,10 @@ from datetime import timedelta
 
 import psutil
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 from .. import devices
 from ..rank.entry import rank_main
+from .start import START_ENV, Start, startup_env  # noqa: F401  (START_ENV: bench.launch's)
 
 HOST = "127.0.0.1"  # the default: loopback, so no other machine can reach a run's sockets
 _LIVE = weakref.WeakSet()  # groups still holding processes; ended at interpreter exit
@@ -142,40 +139,6 @@ def _main_not_reimported():
             main.__dict__.update(saved)
 
 
-START_ENV = "DDPKIT_START_METHOD"
-# read when a rank starts (threads, devices, the communication libraries, torch itself): a warm
-# rank cannot take a change of these, so a pool started under other values starts again
-STARTUP_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "CUBLAS_")
-
-
-def startup_env():
-    """The kernel's variables that only a rank's start reads."""
-    return {k: v for k, v in os.environ.items() if k.startswith(STARTUP_PREFIXES)}
-
-
-_PRELOAD = ["torch", "torch.distributed", "ddpkit.rank.entry"]
-
-
-def start_method():
-    """How ranks start: ``spawn`` (the default) or ``forkserver`` (``DDPKIT_START_METHOD``)."""
-    method = os.environ.get(START_ENV) or "spawn"
-    if method not in ("spawn", "forkserver"):
-        raise ValueError(f"{START_ENV}={method!r}: set it to 'spawn' (the default) or "
-                         f"'forkserver'; 'fork' is refused: a fork of a kernel that has used "
-                         f"CUDA breaks the ranks")
-    return method
-
-
-def _context(method):
-    mp = tmp.get_context(method)
-    if method == "forkserver":
-        # the server imports these once; ranks forked from it skip the imports. The server is a
-        # fresh interpreter (multiprocessing execs it), so no CUDA state of the kernel reaches it,
-        # and importing torch does not initialise CUDA (torch.cuda is lazy)
-        mp.set_forkserver_preload(_PRELOAD)
-    return mp
-
-
 @contextlib.contextmanager
 def interrupts_held():
     """Hold a kernel interrupt (SIGINT, or ``_thread.interrupt_main``) while ranks start and a
@@ -194,7 +157,7 @@ def interrupts_held():
 
 
 class RankGroup:
-    """world_size spawned rank processes, their pipes and the kernel-side store."""
+    """world_size rank processes, their pipes and the kernel-side store."""
 
     def __init__(self, world_size, backend, device, persistent, port=None, pg_timeout_s=120,
                  deterministic=False, host=HOST):
@@ -211,22 +174,27 @@ class RankGroup:
         gpus = len(devices.cuda_gpus()) if device == "cuda" else 0
         spec = dict(host=host, port=self.port, backend=backend, device_type=device, threads=threads,
                     persistent=persistent, pg_timeout_s=pg_timeout_s, ppid=os.getpid(), gpus=gpus,
-                    deterministic=deterministic, start_method=start_method())
-        if spec["start_method"] == "forkserver":  # the server's are those of its start
-            spec.update(environ=dict(os.environ), sys_path=list(sys.path))
-        mp = _context(spec["start_method"])
+                    deterministic=deterministic)
         self.procs, self.conns = [], []
         self.closed = False
+        self._start = None
         try:
             with interrupts_held() as held, _main_not_reimported():
-                for r in range(world_size):
-                    parent_end, child_end = mp.Pipe(duplex=True)
-                    p = mp.Process(target=rank_main, args=(r, world_size, child_end, spec),
-                                   name=f"ddpkit-rank{r}", daemon=True)
-                    p.start()
-                    child_end.close()
-                    self.procs.append(p)
-                    self.conns.append(parent_end)
+                self._start = start = Start(self.start_env)  # holds the server while ranks start
+                try:
+                    spec["start_method"] = start.method
+                    if start.method == "forkserver":  # the server's are those of its start
+                        spec.update(environ=dict(os.environ), sys_path=list(sys.path))
+                    for r in range(world_size):
+                        parent_end, child_end = start.context.Pipe(duplex=True)
+                        p = start.context.Process(target=rank_main, name=f"ddpkit-rank{r}",
+                                                  args=(r, world_size, child_end, spec), daemon=True)
+                        p.start()
+                        child_end.close()
+                        self.procs.append(p)
+                        self.conns.append(parent_end)
+                finally:
+                    start.started()
             if held:
                 raise KeyboardInterrupt  # now that every rank is known, so closed below
         except BaseException:
@@ -261,6 +229,8 @@ class RankGroup:
             c.close()
         self.store = None  # drops the TCPStore server: the port is free again
         _LIVE.discard(self)
+        if self._start is not None:
+            self._start.release()  # the forkserver, once no group uses it, ends after a while
 
 
 @atexit.register

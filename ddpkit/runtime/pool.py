@@ -9,7 +9,6 @@ contexts; its next job starts fresh ranks. What a job leaves in a rank is undone
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -17,13 +16,13 @@ import weakref
 import torch
 
 from ..devices import resolve_devices
+from . import start
 from .group import HOST, RankGroup, interrupts_held, startup_env
+from .start import IDLE_DEFAULT_S, IDLE_ENV, idle_timeout  # noqa: F401  (this module's setting)
 from .handle import RunHandle
 from .launch import check_options, collective_timeout, finish, make_job
 
 
-IDLE_ENV = "DDPKIT_POOL_IDLE_S"
-IDLE_DEFAULT_S = 600.0
 
 
 class PoolBusy(RuntimeError):
@@ -128,6 +127,7 @@ class Pool:
                 return False
             group, self._group = self._group, None
         group.close(graceful=True)
+        start.stop_if_unused()  # the forkserver too, unless other ranks are forks of it
         return True
 
     @property
@@ -186,21 +186,6 @@ _SHARED = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def idle_timeout():
-    """A shared pool's idle time in seconds: ``DDPKIT_POOL_IDLE_S`` (600 when unset)."""
-    raw = os.environ.get(IDLE_ENV)
-    if raw is None or raw == "":
-        return IDLE_DEFAULT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{IDLE_ENV}={raw!r}: set it to a number of seconds > 0 (how long an "
-                         f"idle shared pool keeps its ranks), or unset it for {IDLE_DEFAULT_S:g}")
-    return value
-
-
 def shared_pool(world_size=2, backend=None, device=None, host=HOST):
     """The kernel's warm pool for ``world_size`` ranks on (backend, device) listening on
     ``host``: started on first use, reused by every later job, its ranks ended after
@@ -224,13 +209,15 @@ def shared_pids():
 
 
 def shutdown():
-    """End every shared pool's ranks now (a running job is stopped). The next `train` starts
-    fresh ranks. Pools made with ``ddpkit.Pool(...)`` are yours to close."""
+    """End every shared pool's ranks now (a running job is stopped), and the forkserver they
+    were forked from (`ddpkit.runtime.start`). The next `train` starts fresh ranks. Pools made
+    with ``ddpkit.Pool(...)`` are yours to close."""
     with _SHARED_LOCK:
         pools = list(_SHARED.values())
         _SHARED.clear()
     for pool in pools:
         pool.close()
+    start.stop_if_unused()  # the forkserver, unless a Pool of the user's still uses it
 
 
 def launch_or_fresh(pool, fn, *args, **kw):

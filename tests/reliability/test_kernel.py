@@ -16,9 +16,12 @@ def quick(ctx):
 
 
 def spawned_ranks(kernel_pid):
+    """The kernel's ranks: its children but multiprocessing's resource tracker and forkserver
+    (which outlive a run; a forked rank is the server's child, and counts)."""
     try:
         return [c for c in psutil.Process(kernel_pid).children(recursive=True)
-                if "resource_tracker" not in " ".join(c.cmdline())]
+                if "resource_tracker" not in " ".join(c.cmdline())
+                and not ("forkserver" in " ".join(c.cmdline()) and c.ppid() == kernel_pid)]
     except psutil.NoSuchProcess:
         return []
 
