@@ -4,8 +4,9 @@ plain mp.spawn, torchrun; and a kernel's first and second `ddpkit.train`.
     python -m bench.launch [--repeat 5] [--worlds 2,4,8] [--device cuda]
 
 Each method runs the same job (gloo group up, one all-reduce, one record on rank 0), interleaved
-round by round so machine noise hits all methods alike, at each world size. ``forkserver`` is
-``DDPKIT_START_METHOD=forkserver``: its server (one fresh interpreter that imports torch) starts
+round by round so machine noise hits all methods alike, at each world size. ``forkserver`` (the
+default on a CPU build) and ``spawn`` are set with ``DDPKIT_START_METHOD``: the server (one fresh
+interpreter that imports torch) starts
 with the first launch of a kernel, timed apart in a fresh process ("first launch"); later
 launches fork from it. torchrun runs at 2 ranks only (it costs seconds more, every time).
 The last table is what a notebook sees: in a fresh process, the first `ddpkit.train` of a tiny
@@ -31,7 +32,7 @@ import ddpkit
 from bench._common import machine, summary, table
 from bench._plain_work import first_record
 from ddpkit.devices import resolve_devices
-from ddpkit.runtime.group import START_ENV
+from ddpkit.runtime.start import START_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cpu"  # set by main()

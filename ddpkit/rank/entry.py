@@ -1,6 +1,7 @@
-"""How a rank process starts, serves its jobs and ends: one path for spawned ranks and torchrun's.
+"""How a rank process starts, serves its jobs and ends: one path for ddpkit's ranks and torchrun's.
 
-A spawned child starts in `rank_main` (a module-level function, so spawn can find it by name).
+A rank ddpkit started (spawned, or forked from the forkserver: `ddpkit.runtime.start`) begins in
+`rank_main` (a module-level function, so either method finds it by name).
 The user's function arrives as cloudpickle bytes over the rank's pipe, which is why a function
 or an ``nn.Module`` class defined in a notebook cell works: it travels by value, not by name.
 A process torchrun started enters through `torchrun_main` instead. Both live through `_live`:
@@ -178,7 +179,7 @@ def _live(start, work, failed, finish):
 
 
 def rank_main(rank, world_size, conn, spec):
-    """Entry point of every spawned rank. ``spec`` is a plain dict built by the launcher."""
+    """Entry point of every rank ddpkit starts. ``spec`` is a plain dict built by the launcher."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides when ranks stop
     if spec.get("environ") is not None:
         # forked from a forkserver, which holds the kernel's environment and sys.path of the

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .. import devices
 from ..rank.entry import rank_main
-from .start import START_ENV, Start, startup_env  # noqa: F401  (START_ENV: bench.launch's)
+from .start import Start, startup_env
 
 HOST = "127.0.0.1"  # the default: loopback, so no other machine can reach a run's sockets
 _LIVE = weakref.WeakSet()  # groups still holding processes; ended at interpreter exit

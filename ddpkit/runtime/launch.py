@@ -28,7 +28,7 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
     block=True returns a `RunResult` (``returns`` of every rank, ``metrics`` of every rank);
     block=False returns a `RunHandle` at once. ``on_metric(record)`` and ``on_output(rank, line)``
     are called from ddpkit's drain thread as records and output lines arrive. ``pool``: None or
-    False spawns ranks for this run alone; a `Pool` runs on that pool's warm ranks; True on the
+    False starts ranks for this run alone; a `Pool` runs on that pool's warm ranks; True on the
     kernel's shared pool for these ranks (`ddpkit.shutdown` ends it). ``stall_timeout_s``: end
     the run with `RankStalled` when a rank sends nothing (no ``ctx.log``) for that long; None
     turns the watchdog off.
