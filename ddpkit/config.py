@@ -305,8 +305,11 @@ class TrainConfig:
     def info(self):
         """`spec.ModelInfo` of the model (blocks, their count, what kind of model), from one
         build on the meta device (cached per factory)."""
-        if self.builtin:
-            return spec.model_info(self.model, "blocks", build=lambda: build_builtin(self))
+        if self.builtin:  # one meta build per shape: what build_builtin reads
+            shape = (self.n_blocks, self.width, self.mlp_ratio, self.seq_len, self.vocab,
+                     self.n_heads, self.dropout)
+            return spec.model_info(self.model, "blocks", build=lambda: build_builtin(self),
+                                   build_key=shape)
         return spec.model_info(self.model, self.blocks, self.seed)
 
     @property

@@ -1,5 +1,7 @@
 """The step's peak (issue #18): every live byte at the step's highest moment, measured on real
 2-rank gloo runs and predicted by simulating the rank's own step on fake tensors."""
+import dataclasses
+
 import pytest
 
 import ddpkit
@@ -179,3 +181,40 @@ def test_an_allocator_snapshot_is_refused_on_cpu_with_the_reason():
                                          r"history is CUDA's; this run is on cpu.*pass "
                                          r"memory_snapshot=None"):
         ddpkit.TrainConfig(**{**BASE, "memory_snapshot": "snaps"})
+
+
+def test_plain_ddp_ranks_simulate_alike_so_one_simulation_serves_all():
+    """`simulated` gives every plain-DDP rank rank 0's simulated step (same model, same batch
+    shapes, a fake group): checked here on each rank's own simulation, with accumulation and
+    checkpointing on. ZeRO-1 and FSDP ranks differ, and are simulated each."""
+    from ddpkit.explore.peak import simulate, simulated
+
+    cfg = ddpkit.TrainConfig(**{**BASE, "accum_steps": 2, "checkpoint": "full"})
+    r0, r1 = simulate(cfg, 0), simulate(cfg, 1)
+    assert [dataclasses.astuple(p) for p in r0.peaks] == [dataclasses.astuple(p) for p in r1.peaks]
+    assert r0.loads == r1.loads and r0.segments == r1.segments
+    assert simulated(cfg, 1).rank == 1 and simulated(cfg, 1).peaks == r0.peaks
+    zero = cfg.replace(strategy="ddp_zero1")  # each rank holds its own shard's state
+    assert simulated(zero, 0).peaks != simulated(zero, 1).peaks
+
+
+def test_a_simulation_leaves_the_collector_as_it_found_it():
+    """A simulation freezes what exists (its gc.collect() then walks its own objects only) and
+    thaws it before the step; a freeze of the user's is left alone."""
+    import gc
+
+    from ddpkit.explore.peak import _new_objects_only
+
+    assert gc.get_freeze_count() == 0
+    with _new_objects_only() as thaw:
+        assert gc.get_freeze_count() > 0
+        thaw()
+        assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        with _new_objects_only() as thaw:
+            thaw()
+        assert gc.get_freeze_count() > 0  # still the user's
+    finally:
+        gc.unfreeze()

@@ -124,3 +124,45 @@ def test_budget_strings_and_unknown_gpus():
     assert parse_bytes("12GiB") == 12 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
     with pytest.raises(ValueError, match=r"gpu='Z80' is not a card ddpkit knows; pass one of T4, .* \(ddpkit.explore.plan.GPUS\)"):
         ddpkit.estimate(ddpkit.TrainConfig()).fits("Z80")
+
+
+def test_the_largest_micro_batch_is_the_edge_of_any_growing_peak(monkeypatch):
+    """The search asks few simulated steps (each costs seconds) yet must land on the edge
+    exactly: the largest micro-batch that fits, one more does not, whatever the peak's shape.
+    Checked against a scan over synthetic peaks: linear, quadratic, stepped, with a jump."""
+    import random
+    import types
+
+    from ddpkit.explore import plan
+
+    rnd = random.Random(1)
+    asked = []
+    for trial in range(600):
+        a, b, c, d = rnd.randint(0, 1000), rnd.randint(1, 50), rnd.randint(0, 3000), rnd.random() * 3
+        kind = trial % 4
+
+        def phases(mb, a=a, b=b, c=c, d=d, kind=kind):
+            fw = a + b * mb + (int(d * mb * mb) if kind == 1 else 0) + (37 * (mb // 7) if kind == 2 else 0)
+            if kind == 3:
+                fw = a + b * mb + 200 * (mb > 50)
+            return {"forward": fw, "optimizer": c}
+
+        seen = set()
+
+        def fake_peak(cfg, phases=phases, seen=seen):
+            seen.add(cfg.micro_batch)
+            by = phases(cfg.micro_batch)
+            return types.SimpleNamespace(bytes=max(by.values()), by_phase=by)
+
+        usable = rnd.randint(0, 400_000)
+        monkeypatch.setattr(plan, "_peak", fake_peak)
+        monkeypatch.setattr(plan, "usable_bytes", lambda gpu, usable=usable: usable)
+        cfg = types.SimpleNamespace(replace=lambda micro_batch: types.SimpleNamespace(micro_batch=micro_batch))
+        want = 0
+        for mb in range(1, 4097):
+            if max(phases(mb).values()) > usable:
+                break
+            want = mb
+        assert plan.largest_micro_batch(cfg, "any") == want, (trial, kind, usable)
+        asked.append(len(seen))
+    assert max(asked) <= 16 and sum(asked) / len(asked) < 8, (max(asked), sum(asked) / len(asked))

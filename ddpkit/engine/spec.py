@@ -159,19 +159,21 @@ class ModelInfo:
         return names[0] if len(names) == 1 else names
 
 
-_INFO = {}  # (spec key, blocks) -> (spec, ModelInfo): one meta build per factory
+_INFO = {}  # (spec key, blocks, build key) -> (spec, ModelInfo): one meta build per factory
 
 
-def model_info(model_spec, blocks=None, seed=0, build=None):
+def model_info(model_spec, blocks=None, seed=0, build=None, build_key=None):
     """`ModelInfo` of a factory (cached per factory); ``build``: how to call it, when it is not
-    the factory itself (a built-in model built from its config). Built on the meta device,
-    else on fake tensors (`empty.build_empty`): no memory either way."""
+    the factory itself (a built-in model built from its config), cached per ``build_key`` (the
+    values ``build`` reads) when one is given. Built on the meta device, else on fake tensors
+    (`empty.build_empty`): no memory either way."""
     from .blocks import find_stacks
     from .empty import build_empty
 
-    key = (model_spec if isinstance(model_spec, str) else id(model_spec), blocks)
+    key = (model_spec if isinstance(model_spec, str) else id(model_spec), blocks, build_key)
     hit = _INFO.get(key)
-    if build is None and hit is not None and hit[0] is model_spec:
+    same = hit is not None and (hit[0] is model_spec or isinstance(model_spec, str))
+    if (build is None or build_key is not None) and same:
         return hit[1]
     factory = build if build is not None else factory_of(model_spec)
     with rng.forked():
@@ -186,7 +188,7 @@ def model_info(model_spec, blocks=None, seed=0, build=None):
                      is_causal_lm(model), getattr(config, "vocab_size", None),
                      own_checkpointing(model), bool(_caching_configs(model)),
                      sum(p.numel() for p in model.parameters()), how)
-    if build is None:
+    if build is None or build_key is not None:
         _INFO[key] = (model_spec, info)
     return info
 

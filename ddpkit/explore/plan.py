@@ -363,24 +363,40 @@ def largest_micro_batch(cfg, gpu, limit=4096):
     step's not at all): two simulated steps give a first guess, and a search by simulated
     steps around it gives the answer (the answer fits; one more sample does not)."""
     usable = usable_bytes(gpu)
+    peaks = {}
 
-    def fit(mb):
-        return _peak(cfg.replace(micro_batch=mb)).bytes <= usable
+    def peak(mb):
+        if mb not in peaks:
+            peaks[mb] = _peak(cfg.replace(micro_batch=mb))
+        return peaks[mb]
 
-    one, two = _peak(cfg.replace(micro_batch=1)), _peak(cfg.replace(micro_batch=2))
-    if one.bytes > usable:
+    def aim(lo, hi):
+        """Where the first phase reaches the usable bytes, along its line through lo and hi."""
+        out = limit
+        for phase, at_lo in peak(lo).by_phase.items():
+            slope = (peak(hi).by_phase.get(phase, at_lo) - at_lo) / (hi - lo)
+            if slope > 0:
+                out = min(out, lo + int((usable - at_lo) // slope))
+        return out
+
+    if peak(1).bytes > usable:
         return 0
-    guess = limit
-    for phase, at_one in one.by_phase.items():
-        slope = two.by_phase.get(phase, at_one) - at_one
-        if slope > 0:
-            guess = min(guess, 1 + (usable - at_one) // slope)
     good, bad = 1, limit + 1  # fits / does not (limit + 1: nothing above is asked)
-    guess = int(min(max(guess, 1), limit))
-    while guess < bad and fit(guess):  # gallop up from the guess...
-        good, guess = guess, min(2 * guess, bad)
-    bad = min(bad, guess) if guess > good else bad
-    while bad - good > 1:  # ...then halve the gap
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fit(mid) else (good, mid)
+    guess = int(min(max(aim(1, 2), 1), limit))
+    while bad - good > 1:  # each look moves good up or bad down
+        # a fit: one more sample if the line says the edge is here, else the line's aim (at
+        # most twice the fit); a miss: aim along the line from the last fit, else halve
+        guess = min(max(guess, good + 1), bad - 1)
+        if peak(guess).bytes <= usable:
+            good = guess
+            guess = guess + 1 if aim(1, guess) <= guess else min(2 * guess, aim(1, guess))
+        else:
+            bad = guess
+            # the line through the last fit and the miss; then the next one up, or halve
+            guess = aim(good, bad)
+            if guess <= good or guess >= bad:
+                guess = (good + bad) // 2
+            elif guess + 1 < bad and peak(guess).bytes <= usable:
+                good, guess = guess, guess + 1
+                continue
     return good

@@ -117,7 +117,11 @@ class Traced:
         """FLOPs of one micro-batch's forward and backward under ``setting``."""
         if self.scaled:
             return self._carried_flops(setting)
-        return self._counted_flops(setting)[0]
+        key = ("flops", str(setting), setting.n_blocks)
+        with self.lock:
+            if key not in self.memo:
+                self.memo[key] = self._counted_flops(setting)[0]
+            return self.memo[key]
 
     def _counted_flops(self, setting):
         """(total FLOPs, {module name: FLOPs}) of forward and backward, counted."""
