@@ -267,3 +267,18 @@ def test_sweep_over_world_sizes_uses_a_pool_per_size():
     table = ddpkit.sweep(ddpkit.TrainConfig(**{**TINY, "steps": 1}), world_size=[1, 2])
     assert list(table.world_size) == [1, 2]
     assert [r.run.world_size for r in table.result] == [1, 2]
+
+
+def test_the_recompute_ratio_follows_torchs_early_stop_switch():
+    """The traced FLOPs are memoised per setting, yet torch's early-stop switch (a global) changes
+    what a recompute runs: with it off, non-reentrant checkpointing recomputes all, as reentrant
+    does (notebook 02 shows it)."""
+    from ddpkit.explore.api import recompute_flops_ratio
+
+    full = ddpkit.TrainConfig(model="mlp", n_blocks=3, width=32, micro_batch=4,
+                              checkpoint="full", backend="gloo", device="cpu")
+    early = recompute_flops_ratio(full)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        all_of_it = recompute_flops_ratio(full)
+    assert all_of_it > early and recompute_flops_ratio(full) == early
+    assert abs(all_of_it - recompute_flops_ratio(full.replace(use_reentrant=True))) < 1e-9

@@ -26,6 +26,7 @@ import sys
 import threading
 
 import torch
+import torch.utils.checkpoint
 
 from ..engine import rng, strategies
 from ..engine.policies import CheckpointSetting
@@ -117,7 +118,10 @@ class Traced:
         """FLOPs of one micro-batch's forward and backward under ``setting``."""
         if self.scaled:
             return self._carried_flops(setting)
-        key = ("flops", str(setting), setting.n_blocks)
+        # memoised per setting and per torch's early-stop switch, the one global that changes
+        # what a recompute runs (`torch.utils.checkpoint.set_checkpoint_early_stop`)
+        key = ("flops", str(setting), setting.n_blocks,
+               torch.utils.checkpoint._enable_checkpoint_early_stop)
         with self.lock:
             if key not in self.memo:
                 self.memo[key] = self._counted_flops(setting)[0]
