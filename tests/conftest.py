@@ -69,11 +69,27 @@ def _slow_tests():
             if line.strip() and not line.startswith("#")}
 
 
+def _file_seconds():
+    """{file: seconds} from tests/file_seconds.txt (measured, see its header)."""
+    from pathlib import Path
+
+    out = {}
+    for line in Path(__file__).with_name("file_seconds.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            seconds, path = line.split()
+            out[path] = float(seconds)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
-    """Two tiers. The browser tests and the tests marked ``slow`` (more than ~2 s each on 2
-    cores) belong to the full run only: ``pytest tests -m "not slow"`` is the quick tier for the
-    inner loop. Tests marked ``breadth`` run with --breadth (or -m breadth); otherwise they are
-    skipped, saying so."""
+    """The longest files first (the notebooks' too: this hook sees every item), each file's
+    tests kept together in their order: with ``--dist loadfile --no-loadscope-reorder`` the two
+    workers then end within seconds of each other. Two tiers. The browser tests and the tests
+    marked ``slow`` (more than ~2 s each on 2 cores) belong to the full run only:
+    ``pytest tests -m "not slow"`` is the quick tier for the inner loop. Tests marked
+    ``breadth`` run with --breadth (or -m breadth); otherwise they are skipped, saying so."""
+    seconds = _file_seconds()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable
     slow = _slow_tests()
     for item in items:
         node = item.nodeid.split("[")[0]  # every parameter of a slow test function
