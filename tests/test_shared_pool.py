@@ -222,25 +222,27 @@ FORKSERVER = textwrap.dedent("""
     for pool in (False, None):  # a launch of its own, then the shared pool
         res = ddpkit.train(cfg, pool=pool)
         print("LOSSES", json.dumps(sorted((m["rank"], m["step"], m["loss"]) for m in res.metrics)))
-    # the server started above; what the kernel sets now still reaches new ranks, as with spawn
+    # the server started above; what the kernel sets now (its environment, sys.path, working
+    # folder) still reaches new ranks, as with spawn
     os.environ["DDPKIT_SET_LATER"] = "yes"
     sys.path.append("/set/later")
-    seen = ddpkit.launch(lambda ctx: (os.environ.get("DDPKIT_SET_LATER"), "/set/later" in sys.path),
-                         world_size=2).returns
+    os.chdir(sys.argv[2])
+    seen = ddpkit.launch(lambda ctx: (os.environ.get("DDPKIT_SET_LATER"), "/set/later" in sys.path,
+                                      os.getcwd() == sys.argv[2]), world_size=2).returns
     print("LATER", json.dumps(seen))
 """)
 
 
-def test_forkserver_ranks_train_bitwise_as_spawned_ones(monkeypatch):
+def test_forkserver_ranks_train_bitwise_as_spawned_ones(monkeypatch, tmp_path):
     """The start method (`ddpkit.runtime.start`: forkserver where no CUDA can exist, spawn
     elsewhere) changes how a rank starts, nothing of what it computes."""
     monkeypatch.setenv("DDPKIT_START_METHOD", "spawn")
     spawned = ddpkit.train(ddpkit.TrainConfig(**CFG), pool=False)
     want = sorted((m["rank"], m["step"], m["loss"]) for m in spawned.metrics)
-    out = subprocess.run([sys.executable, "-c", FORKSERVER, json.dumps(CFG)], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", FORKSERVER, json.dumps(CFG), str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("LOSSES")]
     assert got == [[list(w) for w in want]] * 2
     later = [json.loads(l[6:]) for l in out.stdout.splitlines() if l.startswith("LATER")]
-    assert later == [[["yes", True], ["yes", True]]]
+    assert later == [[["yes", True, True], ["yes", True, True]]]

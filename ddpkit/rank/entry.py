@@ -182,8 +182,9 @@ def rank_main(rank, world_size, conn, spec):
     """Entry point of every rank ddpkit starts. ``spec`` is a plain dict built by the launcher."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel decides when ranks stop
     if spec.get("environ") is not None:
-        # forked from a forkserver, which holds the kernel's environment and sys.path of the
-        # moment it started: the kernel's of now, as a spawned rank would have them
+        # forked from a forkserver, which holds the kernel's environment of the moment it
+        # started: the kernel's of now, as a spawned rank has it (multiprocessing's own
+        # preparation already gives a forked rank the kernel's working folder of now)
         os.environ.clear()
         os.environ.update(spec["environ"])
         sys.path[:] = spec["sys_path"]
