@@ -23,10 +23,13 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import threading
-from multiprocessing import forkserver
+import time
+from multiprocessing import forkserver, util
 
 import torch
 import torch.multiprocessing as tmp
@@ -36,7 +39,8 @@ IDLE_ENV = "DDPKIT_POOL_IDLE_S"
 IDLE_DEFAULT_S = 600.0
 # read when a rank starts (threads, devices, the communication libraries, torch itself): a warm
 # rank, or the server, cannot take a change of these
-STARTUP_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "CUBLAS_")
+STARTUP_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "CUBLAS_",
+                    "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_", "LD_PRELOAD")
 # what the server imports once; every fresh DDP rank imports torch._dynamo
 # (torch/nn/parallel/distributed.py imports it in DistributedDataParallel.__init__)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddpkit.rank.entry"]
@@ -96,7 +100,7 @@ def server_pid():
 
 
 class Start:
-    """Hold while ranks start (`begin`): ``.method`` and ``.context`` say how; `release` once
+    """Hold while ranks start (made before the first, `started` after the last): ``.method`` and ``.context`` say how; `release` once
     the group using them has ended its ranks."""
 
     def __init__(self, env):
@@ -109,7 +113,7 @@ class Start:
                     _stop()
                 else:
                     method = "spawn"  # the server's torch started under other variables
-            self.method, self.env = method, env
+            self.method, self.env, self._released = method, env, False
             self.context = tmp.get_context(method)
             if method == "forkserver":
                 self.context.set_forkserver_preload(PRELOAD)
@@ -131,11 +135,15 @@ class Start:
             _LOCK.release()
 
     def release(self):
-        """The group's ranks have ended: an unused server of ours ends after the idle time."""
+        """The group's ranks have ended: an unused server of ours ends after the idle time.
+        Once per start, whoever calls it (a group may be closed by two threads at once)."""
         global _users, _timer
         if self.method != "forkserver":
             return
         with _LOCK:
+            if self._released:
+                return
+            self._released = True
             _users -= 1
             if _users or _ours is None:
                 return
@@ -165,15 +173,46 @@ def _stop_if_idle():
 def _stop():
     global _ours, _ours_env, _timer
     ended = False
-    server = forkserver._forkserver
-    if _ours is not None and server_pid() == _ours and hasattr(server, "_stop"):
-        try:
-            server._stop()  # closes the server's alive pipe: it exits; reaped; socket unlinked
-            ended = True
-        except OSError:  # reaped already: forget it, so the next start makes a new one
-            server._forkserver_pid = server._forkserver_alive_fd = None
-            server._forkserver_address = None
+    if _ours is not None and server_pid() == _ours:
+        _end_server(forkserver._forkserver)
+        ended = True
     if _timer is not None and threading.current_thread() is not _timer:
         _timer.cancel()
     _ours = _ours_env = _timer = None
     return ended
+
+
+def _end_server(server, wait_s=2.0):
+    """End the server without waiting on its alive pipe: the stdlib's own ``_stop`` (a helper of
+    its tests) closes the pipe and waits for the server to see it closed, which never happens
+    while any other holder of that pipe lives: every process forked from the kernel since the
+    server started (a DataLoader's fork workers, say) holds it. SIGTERM ends the server (it has
+    no handler for it; ranks of other groups are none: only an unused server is ended); it is
+    reaped within ``wait_s``, else by a thread, so no zombie stays."""
+    with server._lock:
+        pid, fd = server._forkserver_pid, server._forkserver_alive_fd
+        address = server._forkserver_address
+        server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+    if fd is not None:
+        os.close(fd)
+    if address and not util.is_abstract_socket_namespace(address):
+        with contextlib.suppress(OSError):
+            os.unlink(address)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:  # reaped already
+            return
+        time.sleep(0.01)
+    threading.Thread(target=_reap, args=(pid,), name="ddpkit-forkserver-reaper", daemon=True).start()
+
+
+def _reap(pid):
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
