@@ -171,9 +171,9 @@ def model_info(model_spec, blocks=None, seed=0, build=None, build_key=None):
     from .empty import build_empty
 
     key = (model_spec if isinstance(model_spec, str) else id(model_spec), blocks, build_key)
+    cached = build is None or build_key is not None
     hit = _INFO.get(key)
-    same = hit is not None and (hit[0] is model_spec or isinstance(model_spec, str))
-    if (build is None or build_key is not None) and same:
+    if cached and hit is not None and (hit[0] is model_spec or isinstance(model_spec, str)):
         return hit[1]
     factory = build if build is not None else factory_of(model_spec)
     with rng.forked():
@@ -188,7 +188,7 @@ def model_info(model_spec, blocks=None, seed=0, build=None, build_key=None):
                      is_causal_lm(model), getattr(config, "vocab_size", None),
                      own_checkpointing(model), bool(_caching_configs(model)),
                      sum(p.numel() for p in model.parameters()), how)
-    if build is None or build_key is not None:
+    if cached:
         _INFO[key] = (model_spec, info)
     return info
 

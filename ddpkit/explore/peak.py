@@ -150,12 +150,6 @@ class Simulation:
 def simulate(cfg, rank=0, steps=2, keep=None):
     """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
     `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-
-    from ..devices import resolve_devices
-
-    from .trace import as_real_for_transformers, example_batch, on_device, run_target
-
     with _new_objects_only() as thaw:
         return _simulate(cfg, rank, steps, keep, thaw)
 

@@ -388,8 +388,8 @@ def largest_micro_batch(cfg, gpu, limit=4096):
         # most twice the fit); a miss: aim along the line from the last fit, else halve
         guess = min(max(guess, good + 1), bad - 1)
         if peak(guess).bytes <= usable:
-            good = guess
-            guess = guess + 1 if aim(1, guess) <= guess else min(2 * guess, aim(1, guess))
+            good, edge = guess, aim(1, guess)
+            guess = guess + 1 if edge <= guess else min(2 * guess, edge)
         else:
             bad = guess
             # the line through the last fit and the miss; then the next one up, or halve

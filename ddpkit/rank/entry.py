@@ -184,10 +184,9 @@ def rank_main(rank, world_size, conn, spec):
     if spec.get("environ") is not None:
         # forked from a forkserver, which holds the kernel's environment of the moment it
         # started: the kernel's of now, as a spawned rank has it (multiprocessing's own
-        # preparation already gives a forked rank the kernel's working folder of now)
+        # preparation gives a forked rank the kernel's sys.path and working folder of now)
         os.environ.clear()
         os.environ.update(spec["environ"])
-        sys.path[:] = spec["sys_path"]
     inherited = dict(os.environ)
     parent = spec["ppid"] if spec.get("start_method", "spawn") == "spawn" else os.getppid()
     threading.Thread(target=_watch_parent, args=(spec["ppid"], parent), daemon=True).start()

@@ -184,7 +184,7 @@ class RankGroup:
                 try:
                     spec["start_method"] = start.method
                     if start.method == "forkserver":  # the server's are those of its start
-                        spec.update(environ=dict(os.environ), sys_path=list(sys.path))
+                        spec.update(environ=dict(os.environ))
                     for r in range(world_size):
                         parent_end, child_end = start.context.Pipe(duplex=True)
                         p = start.context.Process(target=rank_main, name=f"ddpkit-rank{r}",
