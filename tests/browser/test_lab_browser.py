@@ -76,13 +76,21 @@ def jupyter(tmp_path_factory):
     work.mkdir()
     shutil.copy(ROOT / "notebooks" / "08_lab.ipynb", work)
     write_notebook(work / "blocks.ipynb", BLOCKS_CELLS)
+    # the server's own settings, not the machine's: no "news?" toast over the page (it asks once,
+    # at a moment of its own, and a click to dismiss it could land mid-animation)
+    notification = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    notification.mkdir(parents=True)
+    (notification / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     port, token = free_port(), secrets.token_hex(16)
     # `-m jupyterlab`, not `-m jupyter lab`: the latter runs the `jupyter-lab` script, whose
     # shebang may name another environment's Python (a copied venv), and so its ddpkit
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ip=127.0.0.1",
          f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
-         "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True"],
+         "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=True",
+         f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "jupyter.log", "w"),
         start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -167,6 +175,23 @@ SWIMLANES = """() => {
 PLOTS = 6
 
 
+# every plot of the notebook on show drawn to its box's width: plotly redraws after a window's
+# resize, at its own pace (18 plots for the three block labs, more than 1.5 s on busy cores)
+REDRAWN = """() => Array.from(window.jupyterapp.shell.currentWidget.node
+    .querySelectorAll('.js-plotly-plot')).every(gd => { const svg = gd.querySelector('.main-svg');
+    return svg && svg.getBoundingClientRect().width <= gd.getBoundingClientRect().width + 0.5; })"""
+
+
+def resize(page, size):
+    """The window at ``size``, once every plot has redrawn to its new width (or 30 s have passed:
+    then the checks that follow say which plot is wrong)."""
+    w, h = size
+    page.set_viewport_size({"width": w, "height": h})
+    page.wait_for_timeout(500)  # plotly's resize handler starts after the window's resize event
+    with contextlib.suppress(Exception):
+        page.wait_for_function(REDRAWN, timeout=30_000)
+
+
 def fits(page, size, i=0):
     """The FIT checks on lab ``i`` of the notebook on show."""
     fit = page.evaluate(FIT, i)
@@ -176,8 +201,7 @@ def fits(page, size, i=0):
 
 def check_fits(page, tmp, size):
     w, h = size
-    page.set_viewport_size({"width": w, "height": h})
-    page.wait_for_timeout(1500)  # plotly redraws to its new width on the window's resize
+    resize(page, size)
     # scrolled by the page itself: playwright's scroll waits for the element to stop moving,
     # and a plot that gains points every 0.1 s never does
     page.evaluate(f"() => {LABS}[0].querySelector('.js-plotly-plot').scrollIntoView()")
@@ -289,12 +313,6 @@ def wait_for_output(page, text, timeout_s):
         page.wait_for_timeout(500)
 
 
-def dismiss_news(page):
-    news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "news?" toast
-    if news.count() and news.first.is_visible():
-        news.first.click(timeout=5_000)
-
-
 def test_lab_in_a_real_browser(jupyter):
     with notebook_page(jupyter, "08_lab.ipynb") as (page, tmp):
         # not awaited: the command resolves only when every cell has ended
@@ -334,7 +352,6 @@ def test_lab_in_a_real_browser(jupyter):
         page.wait_for_timeout(1200)
         page.keyboard.press("ArrowRight")
         page.wait_for_timeout(1500)
-        dismiss_news(page)
         loss_after = len(traces_named(page, 0, "rank 0")[-1]["y"])
         acts_after = traces_named(page, 1, "activations r0 (measured)")[-1]["y"]
         assert loss_after > loss_before, "the loss plot stopped gaining points"
@@ -395,10 +412,8 @@ def test_the_block_control_at_12_32_and_80_blocks(jupyter):
         wait_for_output(page, "labs ready", timeout_s=240)
         kernel = json.loads((tmp / "nb" / "labs.json").read_text())
         assert page.evaluate(f"() => {LABS}.length") == len(BLOCKS)  # each lab shown once
-        dismiss_news(page)
         for w, h in SIZES:
-            page.set_viewport_size({"width": w, "height": h})
-            page.wait_for_timeout(1500)  # plotly redraws to its new width
+            resize(page, (w, h))
             for i, n in enumerate(BLOCKS):
                 got, want = page.evaluate(BLOCK_TOGGLES, i), kernel[str(n)]
                 assert got["n"] == n and got["bad"] == [], ((w, h), n, got["bad"])
