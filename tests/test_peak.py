@@ -198,6 +198,44 @@ def test_plain_ddp_ranks_simulate_alike_so_one_simulation_serves_all():
     assert simulated(zero, 0).peaks != simulated(zero, 1).peaks
 
 
+def test_two_threads_asking_for_one_setting_at_once_share_one_simulation(monkeypatch):
+    """The Lab's read-out simulates on its thread while a cell asks ``estimate(cfg).peak()``
+    for the same setting: the second asker waits for the first's simulation, not a second one
+    of its own (both get the same answer). A failed simulation is not an answer: the next
+    asker simulates again."""
+    import threading
+    import time
+
+    from ddpkit.explore import peak
+
+    calls, started, real = [], threading.Event(), peak.simulate
+
+    def slow(cfg, rank=0, *a, **kw):
+        calls.append(rank)
+        started.set()
+        time.sleep(0.5)  # the other thread asks meanwhile
+        if cfg.seq_len == 7:
+            raise RuntimeError("a simulation that fails")
+        return real(cfg, rank, *a, **kw)
+
+    monkeypatch.setattr(peak, "simulate", slow)
+    cfg = ddpkit.TrainConfig(**{**BASE, "width": 40})  # a setting no other test simulates
+    got = {}
+    lab = threading.Thread(target=lambda: got.setdefault("lab", peak.simulated(cfg, 0)))
+    lab.start()
+    assert started.wait(30)
+    got["cell"] = peak.simulated(cfg, 1)  # plain DDP: rank 1's is rank 0's
+    lab.join(30)
+    assert calls == [0] and got["cell"].peaks == got["lab"].peaks and not peak._RUNNING
+
+    calls.clear()
+    bad = cfg.replace(seq_len=7)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="a simulation that fails"):
+            peak.simulated(bad, 0)
+    assert calls == [0, 0] and not peak._RUNNING
+
+
 def test_a_simulation_leaves_the_collector_as_it_found_it():
     """A simulation freezes what exists (its gc.collect() then walks its own objects only) and
     thaws it before the step; a freeze of the user's is left alone."""

@@ -377,6 +377,7 @@ def _segments(events, totals, points, ledger):
 
 # ----------------------------------------------------------------------------- memoised answers
 _MEMO, _MEMO_LOCK = {}, threading.Lock()
+_RUNNING = {}  # key -> threading.Event: a simulation under way, set when it ends
 _NOT_MEMORY = ("steps", "lr", "warmup_steps", "seed", "measure", "save_every", "save_dir",
                "peak_every", "stall_timeout_s")
 
@@ -390,22 +391,35 @@ def _key(cfg, rank):
 
 def simulated(cfg, rank):
     """`simulate(cfg, rank)`, memoised per memory-relevant setting (the Lab and `plan` ask the
-    same question often)."""
+    same question often). One simulation per setting at a time: a thread that asks while
+    another simulates the same (the Lab's read-out and a cell's ``estimate(cfg).peak()``)
+    waits for its answer instead of simulating it again."""
     if cfg.strategy == "ddp" and cfg.optimizer != "zero1" and rank:
         # plain DDP: every rank runs the same step on a batch of the same shapes (the template
         # is the rank's first batch, whatever the rank), so rank 0's simulation is every rank's
         return dataclasses.replace(simulated(cfg, 0), rank=rank)
     key = _key(cfg, rank)
-    with _MEMO_LOCK:
-        hit = _MEMO.get(key)
-    if hit is not None and hit[0].model is cfg.model and hit[0].data is cfg.data:
-        return hit[1]
-    sim = scale.scaled(simulate, cfg, rank) if scale.scalable(cfg) else simulate(cfg, rank)
-    with _MEMO_LOCK:
-        if len(_MEMO) > 64:
-            _MEMO.clear()
-        _MEMO[key] = (cfg, sim)
-    return sim
+    while True:
+        with _MEMO_LOCK:
+            hit = _MEMO.get(key)
+            if hit is not None and hit[0].model is cfg.model and hit[0].data is cfg.data:
+                return hit[1]
+            running = _RUNNING.get(key)
+            if running is None:
+                running = _RUNNING[key] = threading.Event()
+                break
+        running.wait()  # then the memo has it (or it failed: this thread simulates itself)
+    try:
+        sim = scale.scaled(simulate, cfg, rank) if scale.scalable(cfg) else simulate(cfg, rank)
+        with _MEMO_LOCK:
+            if len(_MEMO) > 64:
+                _MEMO.clear()
+            _MEMO[key] = (cfg, sim)
+        return sim
+    finally:
+        with _MEMO_LOCK:
+            del _RUNNING[key]
+        running.set()
 
 
 def predicted_peak(cfg, step=None, rank=None):
