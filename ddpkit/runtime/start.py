@@ -100,8 +100,8 @@ def server_pid():
 
 
 class Start:
-    """Hold while ranks start (made before the first, `started` after the last): ``.method`` and ``.context`` say how; `release` once
-    the group using them has ended its ranks."""
+    """Hold while ranks start (made before the first, `started` after the last): ``.method``
+    and ``.context`` say how; `release` once the group using them has ended its ranks."""
 
     def __init__(self, env):
         global _users

@@ -185,10 +185,14 @@ REDRAWN = """() => Array.from(window.jupyterapp.shell.currentWidget.node
 def resize(page, size):
     """The window at ``size``, once every plot has redrawn to its new width (or 30 s have passed:
     then the checks that follow say which plot is wrong)."""
+    from playwright.sync_api import TimeoutError as PageTimeout
+
     w, h = size
     page.set_viewport_size({"width": w, "height": h})
-    page.wait_for_timeout(500)  # plotly's resize handler starts after the window's resize event
-    with contextlib.suppress(Exception):
+    # plotly's resize handler starts after the window's resize event; a plot that grows fits
+    # its wider box before it is redrawn, so the wait for the narrower ones comes on top
+    page.wait_for_timeout(1500)
+    with contextlib.suppress(PageTimeout):
         page.wait_for_function(REDRAWN, timeout=30_000)
 
 
