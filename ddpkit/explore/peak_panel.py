@@ -15,6 +15,7 @@ import time
 
 from ..engine.memory import KINDS
 from . import background
+from .fit import fitted
 from .units import byte_unit, fmt_bytes
 
 KIND_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#e45756",
@@ -45,6 +46,7 @@ class PeakPanel:
             legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=10)),
             margin=dict(t=92, b=36, l=96, r=16), xaxis=dict(title=dict(text="MiB", standoff=4))))
         self.figure._config = {"responsive": True, "displaylogo": False}
+        fitted(self.figure)
         self.table = W.HTML()
         self.widget = W.VBox([self.figure, self.table], layout=W.Layout(min_width="0"))
         self.cfg, self.last, self.predicted = None, {}, {}

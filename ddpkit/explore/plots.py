@@ -25,6 +25,7 @@ import anywidget
 import traitlets
 
 from ..engine.policies import CheckpointSetting
+from .fit import fitted
 from .units import MIB, byte_unit
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
@@ -172,7 +173,7 @@ class LivePlots:
                           margin=dict(t=92, b=44, l=56, r=16), template="plotly_white", **extra)
             fig = go.FigureWidget(layout=layout)
             fig._config = {"responsive": True, "displaylogo": False}
-            return fig
+            return fitted(fig)
 
         self.loss = figure("loss per rank", "loss")
         self.memory = figure("memory per rank", "MiB")

@@ -11,6 +11,7 @@ import threading
 import time
 from numbers import Integral
 
+from .fit import fitted
 from .plots import COLORS
 
 COLUMNS = ["rank", "step", "micro_step", "kind", "name", "start_s", "end_s", "bytes"]
@@ -283,6 +284,7 @@ class LiveTimeline:
         self.exposed = go.FigureWidget(layout=_exposed_layout(None))
         for fig in (self.lanes, self.exposed):
             fig._config = {"responsive": True, "displaylogo": False}
+            fitted(fig)
         self.lanes.add_class("ddpkit-swimlanes")
         self.widget = W.GridBox([self.lanes, self.exposed], layout=W.Layout(
             grid_template_columns="repeat(auto-fill, minmax(440px, 1fr))", grid_gap="4px 8px",

@@ -1,0 +1,57 @@
+"""Figures that fit their box whenever the box changes, not only when the window does.
+
+A plotly ``FigureWidget`` with ``autosize`` takes its div's width when it is drawn, and after that
+only on the window's ``resize`` event (plotly's ``responsive`` config). A view drawn before its
+div is laid out (a fresh Lab output, a view re-made when a box's children change) gets plotly's
+default of 700 px and keeps it until the window is resized: in a 490 px grid column (a
+1920 px window) it spills over its neighbour, in an 848 px one it leaves a gap. Opening
+JupyterLab's side panel or dragging a split changes the box and sends no window event at all.
+
+`fitted(fig)` marks a figure. One small anywidget per kernel (`_Fitter`, never displayed: a
+front-end model runs its ``initialize`` when it is created) looks for marked plot divs twice a
+second, puts a ``ResizeObserver`` on each, and redraws a figure (``Plotly.Plots.resize``, what
+the window's event calls) when its div's width is not the width it was drawn at.
+"""
+from __future__ import annotations
+
+import anywidget
+
+CLASS = "ddpkit-figure"
+
+
+class _Fitter(anywidget.AnyWidget):
+    _esm = """
+    // one watcher per page, whichever kernel's fitter comes first
+    function initialize({ model }) {
+      if (window.__ddpkitFit) return;
+      const observed = new Set();
+      const fit = new ResizeObserver(entries => {
+        const Plotly = window.Plotly;  // set by plotly's widget bundle
+        for (const e of entries) {
+          const gd = e.target, w = e.contentRect.width, drawn = gd._fullLayout && gd._fullLayout.width;
+          if (Plotly && drawn && w > 0 && Math.abs(drawn - w) > 1)
+            Plotly.Plots.resize(gd).catch(() => {});  // hidden meanwhile: the next change fits it
+        }
+      });
+      const marked = document.getElementsByClassName('""" + CLASS + """');  // live, no layout
+      window.__ddpkitFit = setInterval(() => {
+        for (const gd of observed) if (!gd.isConnected) { fit.unobserve(gd); observed.delete(gd); }
+        for (const gd of marked) {  // plotly drew it: its view's div holds the plot
+          if (gd._fullLayout && !observed.has(gd)) { observed.add(gd); fit.observe(gd); }
+        }
+      }, 500);
+    }
+    export default { initialize };
+    """
+
+
+_fitter = None
+
+
+def fitted(fig):
+    """``fig`` (a FigureWidget), marked to be redrawn at its box's width whenever that changes."""
+    global _fitter
+    if _fitter is None:
+        _fitter = _Fitter()
+    fig.add_class(CLASS)
+    return fig
