@@ -10,7 +10,9 @@ JupyterLab's side panel or dragging a split changes the box and sends no window 
 `fitted(fig)` marks a figure. One small anywidget per kernel (`_Fitter`, never displayed: a
 front-end model runs its ``initialize`` when it is created) looks for marked plot divs twice a
 second, puts a ``ResizeObserver`` on each, and redraws a figure (``Plotly.Plots.resize``, what
-the window's event calls) when its div's width is not the width it was drawn at.
+the window's event calls) when its div's width is not the width it was drawn at. A redraw
+takes the div's height too, so the grids that hold these figures align their items at the start
+(a stretched grid item would make a plot as tall as the tallest in its row).
 """
 from __future__ import annotations
 
@@ -26,11 +28,15 @@ class _Fitter(anywidget.AnyWidget):
       if (window.__ddpkitFit) return;
       const observed = new Set();
       const fit = new ResizeObserver(entries => {
-        const Plotly = window.Plotly;  // set by plotly's widget bundle
         for (const e of entries) {
-          const gd = e.target, w = e.contentRect.width, drawn = gd._fullLayout && gd._fullLayout.width;
-          if (Plotly && drawn && w > 0 && Math.abs(drawn - w) > 1)
-            Plotly.Plots.resize(gd).catch(() => {});  // hidden meanwhile: the next change fits it
+          // the width plotly itself reads when it sizes an autosized plot
+          const gd = e.target, w = parseFloat(getComputedStyle(gd).width);
+          const drawn = gd._fullLayout && gd._fullLayout.width;
+          if (!(drawn && w > 0 && Math.abs(drawn - w) > 1)) continue;
+          // the handler of the plotly.js that drew it (the page may hold two), which skips a
+          // hidden plot: the next change of its box fits it
+          if (gd._responsiveChartHandler) gd._responsiveChartHandler();
+          else if (window.Plotly) window.Plotly.Plots.resize(gd).catch(() => {});
         }
       });
       const marked = document.getElementsByClassName('""" + CLASS + """');  // live, no layout
@@ -51,7 +57,7 @@ _fitter = None
 def fitted(fig):
     """``fig`` (a FigureWidget), marked to be redrawn at its box's width whenever that changes."""
     global _fitter
-    if _fitter is None:
+    if _fitter is None or _fitter.comm is None:  # none yet, or closed (Widget.close_all)
         _fitter = _Fitter()
     fig.add_class(CLASS)
     return fig

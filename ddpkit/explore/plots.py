@@ -188,7 +188,7 @@ class LivePlots:
         self.widget = W.GridBox(
             [*self.figures, self.feeder],
             layout=W.Layout(grid_template_columns="repeat(auto-fill, minmax(440px, 1fr))",
-                            grid_gap="4px 8px", width="100%"))
+                            grid_gap="4px 8px", width="100%", align_items="flex-start"))
         self._traces, self._ema, self._marks = {}, {}, 0
         self._mem_unit = ("MiB", MIB)
         self.new_run(world_size)

@@ -288,7 +288,7 @@ class LiveTimeline:
         self.lanes.add_class("ddpkit-swimlanes")
         self.widget = W.GridBox([self.lanes, self.exposed], layout=W.Layout(
             grid_template_columns="repeat(auto-fill, minmax(440px, 1fr))", grid_gap="4px 8px",
-            width="100%"))
+            width="100%", align_items="flex-start"))
         self.new_run(world_size)
 
     def new_run(self, world_size, link=None):

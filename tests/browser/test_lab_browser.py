@@ -56,8 +56,10 @@ labs = {}"""] + [f"labs[{n}] = ddpkit.Lab(ddpkit.TrainConfig(model=gpt2({n}), mi
                  f"seq_len=16, checkpoint={c}))\nlabs[{n}]" for n, c in BLOCKS.items()] + [
     "import json\nwith open('labs.json', 'w') as fh:  # what the kernel says, for the test\n"
     "    json.dump({n: dict(tooltips=[t.tooltip for t in lab.block_toggles], mask=lab.config()"
-    ".checkpointing.mask, label=lab.config().checkpointing.label()) for n, lab in labs.items()}, "
-    "fh)\nprint('labs ready')"]
+    ".checkpointing.mask, label=lab.config().checkpointing.label(), heights=[f.layout.height "
+    "for f in (lab.plots.loss, lab.plots.memory, lab.peaks.figure, lab.plots.timing, "
+    "lab.timeline.lanes, lab.timeline.exposed)]) for n, lab in labs.items()}, fh)\n"
+    "print('labs ready')"]
 
 
 def write_notebook(path, cells):
@@ -147,6 +149,9 @@ MARKS = """() => Array.from(window.jupyterapp.shell.currentWidget.node
     .querySelectorAll('.annotation')).map(a => { const r = a.getBoundingClientRect();
     return [r.left, r.top, r.right, r.bottom]; })"""
 SIZES = [(1280, 800), (1920, 1080)]
+# the height of each plot of lab i, in the page's order
+HEIGHTS = """(i) => Array.from(""" + LABS + """[i].querySelectorAll('.js-plotly-plot'))
+    .map(gd => Math.round(gd.querySelector('.main-svg').getBoundingClientRect().height))"""
 # the swimlane figure (issue #20): bars drawn for each rank, and every label of it (title, lane
 # names, legend, ticks) inside the figure's own box
 SWIMLANES = """() => {
@@ -436,13 +441,16 @@ def test_the_block_control_at_12_32_and_80_blocks(jupyter):
             if widths:
                 page.evaluate("() => window.jupyterapp.commands.execute("
                               "'application:toggle-left-area')")
-            for i in range(len(BLOCKS)):  # each as it is scrolled to (JupyterLab lays out
+            for i, n in enumerate(BLOCKS):  # each as it is scrolled to (JupyterLab lays out
                 page.evaluate(f"() => {LABS}[{i}].scrollIntoView()")  # cells out of view
                 redrawn(page, i)  # only when they come into view)
                 fits(page, when, i)
+                # as tall as the kernel made them: a redraw takes its div's height too, and a
+                # stretched grid item made the exposed-time plot as tall as the swimlanes
+                assert page.evaluate(HEIGHTS, i) == kernel[str(n)]["heights"], (when, n)
             widths.append(page.evaluate(box))
-        assert abs(widths[1] - widths[0]) > 50, ("the side panel left the boxes as they were",
-                                                 widths)
+        assert abs(widths[1] - widths[0]) > 5, ("the side panel left the boxes as they were",
+                                                widths)
         page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
         for w, h in SIZES:
             resize(page, (w, h))
