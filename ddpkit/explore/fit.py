@@ -2,15 +2,15 @@
 
 A plotly ``FigureWidget`` with ``autosize`` takes its div's width when it is drawn, and after that
 only on the window's ``resize`` event (plotly's ``responsive`` config). A view drawn before its
-div is laid out (a fresh Lab output, a view re-made when a box's children change) gets plotly's
+div is laid out (a fresh Lab output, a figure added to a box later) gets plotly's
 default of 700 px and keeps it until the window is resized: in a 490 px grid column (a
 1920 px window) it spills over its neighbour, in an 848 px one it leaves a gap. Opening
 JupyterLab's side panel or dragging a split changes the box and sends no window event at all.
 
 `fitted(fig)` marks a figure. One small anywidget per kernel (`_Fitter`, never displayed: a
 front-end model runs its ``initialize`` when it is created) looks for marked plot divs twice a
-second, puts a ``ResizeObserver`` on each, and redraws a figure (``Plotly.Plots.resize``, what
-the window's event calls) when its div's width is not the width it was drawn at. A redraw
+second, puts a ``ResizeObserver`` on each, and redraws a figure (through the handler plotly
+gave it for the window's event) when its div's width is not the width it was drawn at. A redraw
 takes the div's height too, so the grids that hold these figures align their items at the start
 (a stretched grid item would make a plot as tall as the tallest in its row).
 """
