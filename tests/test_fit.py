@@ -8,6 +8,7 @@ from ddpkit.explore import fit
 def test_a_figure_is_marked_and_the_kernel_holds_one_live_fitter():
     a, b = go.FigureWidget(), go.FigureWidget()
     assert fit.fitted(a) is a and fit.CLASS in a._dom_classes
+    assert a._config["responsive"]  # the page's fitter redraws through plotly's handler for it
     first = fit._fitter
     fit.fitted(b)
     assert fit._fitter is first and first.comm is not None  # one per kernel

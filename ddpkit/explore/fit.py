@@ -7,12 +7,12 @@ default of 700 px and keeps it until the window is resized: in a 490 px grid col
 1920 px window) it spills over its neighbour, in an 848 px one it leaves a gap. Opening
 JupyterLab's side panel or dragging a split changes the box and sends no window event at all.
 
-`fitted(fig)` marks a figure. One small anywidget per kernel (`_Fitter`, never displayed: a
-front-end model runs its ``initialize`` when it is created) looks for marked plot divs twice a
-second, puts a ``ResizeObserver`` on each, and redraws a figure (through the handler plotly
-gave it for the window's event) when its div's width is not the width it was drawn at. A redraw
-takes the div's height too, so the grids that hold these figures align their items at the start
-(a stretched grid item would make a plot as tall as the tallest in its row).
+`fitted(fig)` makes a figure responsive and marks it. One small anywidget per kernel (`_Fitter`,
+never displayed: a front-end model runs its ``initialize`` when it is created) looks for marked
+plot divs twice a second, puts a ``ResizeObserver`` on each, and redraws a figure (through the
+handler plotly gave it for the window's event) when its div's width is not the width it was drawn
+at. A redraw takes the div's height too, so `grid`, which holds these figures, aligns its items at
+the start (a stretched grid item would make a plot as tall as the tallest in its row).
 """
 from __future__ import annotations
 
@@ -55,9 +55,21 @@ _fitter = None
 
 
 def fitted(fig):
-    """``fig`` (a FigureWidget), marked to be redrawn at its box's width whenever that changes."""
+    """``fig`` (a FigureWidget), marked to be redrawn at its box's width whenever that changes.
+    It is made responsive too: the handler the page's fitter calls is plotly's for that."""
     global _fitter
     if _fitter is None or _fitter.comm is None:  # none yet, or closed (Widget.close_all)
         _fitter = _Fitter()
+    fig._config = {"responsive": True, "displaylogo": False}
     fig.add_class(CLASS)
     return fig
+
+
+def grid(children):
+    """A grid of figures (and widgets beside them) that fills the cell's width: as many 440 px
+    or wider columns as fit, each item as tall as itself."""
+    import ipywidgets as W
+
+    return W.GridBox(children, layout=W.Layout(
+        grid_template_columns="repeat(auto-fill, minmax(440px, 1fr))", grid_gap="4px 8px",
+        width="100%", align_items="flex-start"))

@@ -45,7 +45,6 @@ class PeakPanel:
             barmode="stack", height=height - 70, autosize=True, template="plotly_white",
             legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=10)),
             margin=dict(t=92, b=36, l=96, r=16), xaxis=dict(title=dict(text="MiB", standoff=4))))
-        self.figure._config = {"responsive": True, "displaylogo": False}
         fitted(self.figure)
         self.table = W.HTML()
         self.widget = W.VBox([self.figure, self.table], layout=W.Layout(min_width="0"))

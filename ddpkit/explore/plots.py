@@ -25,7 +25,7 @@ import anywidget
 import traitlets
 
 from ..engine.policies import CheckpointSetting
-from .fit import fitted
+from .fit import fitted, grid
 from .units import MIB, byte_unit
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
@@ -148,7 +148,6 @@ class LivePlots:
     them out in a grid that fills the cell's width."""
 
     def __init__(self, world_size=2, max_hz=5.0, max_points=2000, height=330, ema=0.95):
-        import ipywidgets as W
         import plotly.graph_objects as go
 
         if not 0 <= ema < 1:
@@ -171,9 +170,7 @@ class LivePlots:
                           xaxis=dict(title=dict(text="optimizer step", standoff=4)),
                           yaxis=dict(title=dict(text=ytitle, standoff=4)),
                           margin=dict(t=92, b=44, l=56, r=16), template="plotly_white", **extra)
-            fig = go.FigureWidget(layout=layout)
-            fig._config = {"responsive": True, "displaylogo": False}
-            return fitted(fig)
+            return fitted(go.FigureWidget(layout=layout))
 
         self.loss = figure("loss per rank", "loss")
         self.memory = figure("memory per rank", "MiB")
@@ -185,10 +182,7 @@ class LivePlots:
         for i, fig in enumerate(self.figures):
             fig.add_class(f"{self._uid}-{i}")
         self.feeder = _Feeder()
-        self.widget = W.GridBox(
-            [*self.figures, self.feeder],
-            layout=W.Layout(grid_template_columns="repeat(auto-fill, minmax(440px, 1fr))",
-                            grid_gap="4px 8px", width="100%", align_items="flex-start"))
+        self.widget = grid([*self.figures, self.feeder])
         self._traces, self._ema, self._marks = {}, {}, 0
         self._mem_unit = ("MiB", MIB)
         self.new_run(world_size)

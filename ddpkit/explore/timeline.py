@@ -11,7 +11,7 @@ import threading
 import time
 from numbers import Integral
 
-from .fit import fitted
+from .fit import fitted, grid
 from .plots import COLORS
 
 COLUMNS = ["rank", "step", "micro_step", "kind", "name", "start_s", "end_s", "bytes"]
@@ -274,21 +274,15 @@ class LiveTimeline:
     bars replaced) and the exposed communication per step (one point per probed step)."""
 
     def __init__(self, world_size=2, max_hz=1.0):
-        import ipywidgets as W
         import plotly.graph_objects as go
 
         self.max_hz = max_hz
         self._lock, self._pending, self._last = threading.Lock(), [], 0.0
         self.redraws = 0
-        self.lanes = go.FigureWidget(layout=swimlane_layout(world_size, "-"))
-        self.exposed = go.FigureWidget(layout=_exposed_layout(None))
-        for fig in (self.lanes, self.exposed):
-            fig._config = {"responsive": True, "displaylogo": False}
-            fitted(fig)
+        self.lanes = fitted(go.FigureWidget(layout=swimlane_layout(world_size, "-")))
+        self.exposed = fitted(go.FigureWidget(layout=_exposed_layout(None)))
         self.lanes.add_class("ddpkit-swimlanes")
-        self.widget = W.GridBox([self.lanes, self.exposed], layout=W.Layout(
-            grid_template_columns="repeat(auto-fill, minmax(440px, 1fr))", grid_gap="4px 8px",
-            width="100%", align_items="flex-start"))
+        self.widget = grid([self.lanes, self.exposed])
         self.new_run(world_size)
 
     def new_run(self, world_size, link=None):
