@@ -273,6 +273,9 @@ def test_a_plot_update_sends_only_the_new_points(history):
     assert sum(len(x) for _, _, xs, _ in extend for x in xs) == points
     indices = sum(len(idx) for _, idx, _, _ in extend)
     assert _numbers(extend) == 2 * points + indices  # an x and a y per point, nothing else
+    # each figure named by the key the page finds its plot by (its layout's meta), one per figure
+    keys = [fig.layout.meta for fig in plots.figures]
+    assert len(set(keys)) == 3 and {key for key, *_ in extend} == set(keys)
     assert plots.points("loss", 1)[-1] == 1.0 / (history + 5)
 
 
@@ -359,6 +362,10 @@ def test_the_readout_shows_the_steps_predicted_peak(lab):
 
 
 def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
+    # beside the memory plot from the grid's making: a box whose children change after it is
+    # shown makes new views of the figures after the change
+    p = lab.plots
+    assert p.widget.children == (p.loss, p.memory, lab.peaks.widget, p.timing, p.feeder)
     lab.set(steps=4)
     lab.run()
     lab.wait(timeout=120)

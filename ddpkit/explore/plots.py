@@ -47,8 +47,10 @@ def thin(xs, ys, max_points):
 class _Feeder(anywidget.AnyWidget):
     """Appends points to the figures of one `LivePlots` in the browser (``Plotly.extendTraces``).
 
-    A message: ``{"extend": [[css class, [trace index...], [[x...]...], [[y...]...]], ...]}``.
-    The figures' own FigureWidget views draw them; this only finds their plot divs by class."""
+    A message: ``{"extend": [[key, [trace index...], [[x...]...], [[y...]...]], ...]}``.
+    The figures' own FigureWidget views draw them; this only finds their plot divs, by the key
+    in each figure's ``layout.meta`` (what plotly drew), not by a class: ipywidgets adds a
+    view's classes only once the view is attached, and one view in a CI run never got them."""
 
     _esm = """
     // Points wait here, merged per figure and trace, and each figure is drawn at an animation
@@ -58,12 +60,13 @@ class _Feeder(anywidget.AnyWidget):
     // figures) left no time for a click on Stop.
     const TOLERANCE = 3, GIVE_UP_MS = 10000;
     function initialize({ model }) {
-      const pending = new Map();  // css class -> Map(trace index -> {full, xs, ys})
+      const pending = new Map();  // figure key -> Map(trace index -> {full, xs, ys})
+      const plots = document.getElementsByClassName('js-plotly-plot');  // live, no layout
       let scheduled = false, readyAt = 0;
       const waitingSince = new Map();
-      function put(cls, full, idx, xs, ys) {
-        if (!pending.has(cls)) pending.set(cls, new Map());
-        const traces = pending.get(cls);
+      function put(key, full, idx, xs, ys) {
+        if (!pending.has(key)) pending.set(key, new Map());
+        const traces = pending.get(key);
         idx.forEach((i, k) => {
           const have = traces.get(i);
           if (have && !full) { for (const v of xs[k]) have.xs.push(v); for (const v of ys[k]) have.ys.push(v); }
@@ -82,17 +85,16 @@ class _Feeder(anywidget.AnyWidget):
         const Plotly = window.Plotly;  // set by plotly's widget bundle
         const t0 = performance.now();
         let later = false;
-        for (const [cls, traces] of Array.from(pending)) {
-          const gds = Array.from(document.querySelectorAll(
-            `.${cls}.js-plotly-plot, .${cls} .js-plotly-plot`));
+        for (const [key, traces] of Array.from(pending)) {
+          const gds = Array.from(plots).filter(gd => gd.layout && gd.layout.meta === key);
           const top = Math.max(...traces.keys());
           if (!(Plotly && gds.length && gds.every(gd => gd.data && gd.data.length > top))) {
             // the figure (or a trace just added) is not drawn yet: wait for it, a while
-            if (!waitingSince.has(cls)) waitingSince.set(cls, t0);
-            if (t0 - waitingSince.get(cls) < GIVE_UP_MS) { later = true; continue; }
+            if (!waitingSince.has(key)) waitingSince.set(key, t0);
+            if (t0 - waitingSince.get(key) < GIVE_UP_MS) { later = true; continue; }
           }
-          waitingSince.delete(cls);
-          pending.delete(cls);
+          waitingSince.delete(key);
+          pending.delete(key);
           if (!gds.length) continue;  // never drawn (the output was cleared): dropped
           for (const full of [true, false]) {
             const idx = Array.from(traces.keys()).filter(i => traces.get(i).full === full);
@@ -109,8 +111,8 @@ class _Feeder(anywidget.AnyWidget):
         if (later) schedule(50);
       }
       model.on("msg:custom", msg => {
-        for (const [cls, idx, xs, ys] of msg.extend || []) put(cls, false, idx, xs, ys);
-        for (const [cls, idx, xs, ys] of msg.replace || []) put(cls, true, idx, xs, ys);
+        for (const [key, idx, xs, ys] of msg.extend || []) put(key, false, idx, xs, ys);
+        for (const [key, idx, xs, ys] of msg.replace || []) put(key, true, idx, xs, ys);
       });
     }
     function render({ model, el }) {}
@@ -145,9 +147,12 @@ class _Trace:
 
 class LivePlots:
     """Three FigureWidgets (``loss``, ``memory``, ``timing``) fed by records; ``widget`` lays
-    them out in a grid that fills the cell's width."""
+    them out in a grid that fills the cell's width, with ``beside_memory`` (the Lab's peak
+    panel) right after the memory plot. The grid's children are set once: a box whose children
+    change after it is shown makes new views of the figures after the change."""
 
-    def __init__(self, world_size=2, max_hz=5.0, max_points=2000, height=330, ema=0.95):
+    def __init__(self, world_size=2, max_hz=5.0, max_points=2000, height=330, ema=0.95,
+                 beside_memory=None):
         import plotly.graph_objects as go
 
         if not 0 <= ema < 1:
@@ -180,9 +185,10 @@ class LivePlots:
                                          showgrid=False))
         self.timing.layout.margin.r = 56
         for i, fig in enumerate(self.figures):
-            fig.add_class(f"{self._uid}-{i}")
+            fig.layout.meta = f"{self._uid}-{i}"  # how the page's feeder finds its plot div
         self.feeder = _Feeder()
-        self.widget = grid([*self.figures, self.feeder])
+        extra = [beside_memory] if beside_memory is not None else []
+        self.widget = grid([self.loss, self.memory, *extra, self.timing, self.feeder])
         self._traces, self._ema, self._marks = {}, {}, 0
         self._mem_unit = ("MiB", MIB)
         self.new_run(world_size)
@@ -190,13 +196,6 @@ class LivePlots:
     @property
     def figures(self):
         return [self.loss, self.memory, self.timing]
-
-    def place(self, widget, after):
-        """Put ``widget`` into the grid right after figure ``after`` (the Lab's peak panel goes
-        beside the memory plot)."""
-        kids = list(self.widget.children)
-        kids.insert(kids.index(after) + 1, widget)
-        self.widget.children = tuple(kids)
 
     # --- runs
     def new_run(self, world_size, predict=None, label="run", n_blocks=None):

@@ -44,12 +44,12 @@ class Lab:
         self.cfg = cfg or TrainConfig()
         self.history = []
         self._handle = None
-        self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz, ema=ema)
+        self.peaks = PeakPanel()  # beside the memory plot: each rank's peak, and its ledger
+        self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz, ema=ema,
+                               beside_memory=self.peaks.widget)
         self.timeline = LiveTimeline(self.cfg.world_size, max_hz=1.0)  # [timeline] swimlanes
         # a budget or a GPU in: the block toggles set to the plan, through this Lab's `set`
         self.planner = PlanPanel(self)
-        self.peaks = PeakPanel()  # beside the memory plot: each rank's peak, and its ledger
-        self.plots.place(self.peaks.widget, after=self.plots.memory)
         self.view = LabView(self.cfg, self.plots, self.planner, self.timeline)
         self.sync = ConfigSync(self.view, self.cfg, lambda: self.running,
                                lambda **kw: self._handle.send_control(**kw))
