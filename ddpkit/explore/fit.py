@@ -7,18 +7,21 @@ default of 700 px and keeps it until the window is resized: in a 490 px grid col
 1920 px window) it spills over its neighbour, in an 848 px one it leaves a gap. Opening
 JupyterLab's side panel or dragging a split changes the box and sends no window event at all.
 
-`fitted(fig)` makes a figure responsive and marks it. One small anywidget per kernel (`_Fitter`,
-never displayed: a front-end model runs its ``initialize`` when it is created) looks for marked
-plot divs twice a second, puts a ``ResizeObserver`` on each, and redraws a figure (through the
-handler plotly gave it for the window's event) when its div's width is not the width it was drawn
-at. A redraw takes the div's height too, so `grid`, which holds these figures, aligns its items at
-the start (a stretched grid item would make a plot as tall as the tallest in its row).
+`fitted(fig)` makes a figure responsive. One small anywidget per kernel (`_Fitter`, never
+displayed: a front-end model runs its ``initialize`` when it is created) keeps every responsive
+plot of the page at its box's width, redrawing it through the handler plotly gave it for the
+window's event: responsive is taken to mean what a reader expects of it. It finds the plots by
+what plotly drew (a plot div whose config is responsive), not by a class: ipywidgets adds a
+view's classes only once the view is attached, and one view drawn in a test run never got them. A ``ResizeObserver`` on each plot answers a
+change of its box at once; a check twice a second catches what an observer never reports (a plot
+redrawn at another width in a box that stayed, a cell the page skipped while the box changed),
+retrying a plot at most once a second. A redraw takes the div's height too, so `grid`, which
+holds these figures, aligns its items at the start (a stretched grid item would make a plot as
+tall as the tallest in its row).
 """
 from __future__ import annotations
 
 import anywidget
-
-CLASS = "ddpkit-figure"
 
 
 class _Fitter(anywidget.AnyWidget):
@@ -26,24 +29,29 @@ class _Fitter(anywidget.AnyWidget):
     // one watcher per page, whichever kernel's fitter comes first
     function initialize({ model }) {
       if (window.__ddpkitFit) return;
+      const plots = document.getElementsByClassName('js-plotly-plot');  // live, no layout
       const observed = new Set();
-      const fit = new ResizeObserver(entries => {
-        for (const e of entries) {
-          // the width plotly itself reads when it sizes an autosized plot
-          const gd = e.target, w = parseFloat(getComputedStyle(gd).width);
-          const drawn = gd._fullLayout && gd._fullLayout.width;
-          if (!(drawn && w > 0 && Math.abs(drawn - w) > 1)) continue;
-          // the handler of the plotly.js that drew it (the page may hold two), which skips a
-          // hidden plot: the next change of its box fits it
-          if (gd._responsiveChartHandler) gd._responsiveChartHandler();
-          else if (window.Plotly) window.Plotly.Plots.resize(gd).catch(() => {});
-        }
-      });
-      const marked = document.getElementsByClassName('""" + CLASS + """');  // live, no layout
+      // a responsive, autosized plot whose drawn width is not its box's: redrawn through the
+      // handler of the plotly.js that drew it (the page may hold two), which skips a hidden plot
+      function fit(gd, now) {
+        const svg = gd.querySelector('.main-svg'), handler = gd._responsiveChartHandler;
+        if (!svg || !handler || (gd.layout && gd.layout.width)) return;
+        if (gd.checkVisibility && !gd.checkVisibility({contentVisibilityAuto: true})) return;
+        // the width plotly itself reads when it sizes an autosized plot
+        const w = parseFloat(getComputedStyle(gd).width), drawn = parseFloat(svg.getAttribute('width'));
+        if (!(w > 0 && drawn > 0 && Math.abs(drawn - w) > 1)) return;
+        if (now !== undefined && now < (gd.__ddpkitFitAt || 0)) return;  // a retry: once a second
+        gd.__ddpkitFitAt = performance.now() + 1000;
+        handler();
+      }
+      const onResize = new ResizeObserver(entries => { for (const e of entries) fit(e.target); });
       window.__ddpkitFit = setInterval(() => {
-        for (const gd of observed) if (!gd.isConnected) { fit.unobserve(gd); observed.delete(gd); }
-        for (const gd of marked) {  // plotly drew it: its view's div holds the plot
-          if (gd._fullLayout && !observed.has(gd)) { observed.add(gd); fit.observe(gd); }
+        const now = performance.now();
+        for (const gd of observed) if (!gd.isConnected) { onResize.unobserve(gd); observed.delete(gd); }
+        for (const gd of plots) {
+          if (!(gd._context && gd._context.responsive)) continue;
+          if (!observed.has(gd)) { observed.add(gd); onResize.observe(gd); }
+          fit(gd, now);
         }
       }, 500);
     }
@@ -55,13 +63,12 @@ _fitter = None
 
 
 def fitted(fig):
-    """``fig`` (a FigureWidget), marked to be redrawn at its box's width whenever that changes.
-    It is made responsive too: the handler the page's fitter calls is plotly's for that."""
+    """``fig`` (a FigureWidget), made responsive: the page's fitter redraws it at its box's width
+    whenever that changes (through the handler plotly gives a responsive plot)."""
     global _fitter
     if _fitter is None or _fitter.comm is None:  # none yet, or closed (Widget.close_all)
         _fitter = _Fitter()
     fig._config = {"responsive": True, "displaylogo": False}
-    fig.add_class(CLASS)
     return fig
 
 

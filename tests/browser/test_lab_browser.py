@@ -129,8 +129,11 @@ FIT = """(i) => {
     if (r.width < 300) bad.push(['plot too narrow', r.width]);
     if (r.right > vw + 0.5) bad.push(['plot past the window', r.right, vw]);
     if (r.right > labBox.right + 0.5) bad.push(['plot past the lab', r.right, labBox.right]);
-    if (w > r.width + 0.5) bad.push(['plot wider than its box', w, r.width]);
-    if (w < r.width - 1.5) bad.push(['plot narrower than its box', w, r.width]);
+    // which plot, and what the page's fitter works from: plotly's drawn width, its config
+    const who = [(gd.querySelector('.gtitle') || {}).textContent || '(untitled)', gd.className,
+                 gd._fullLayout && gd._fullLayout.width, !!(gd._context && gd._context.responsive)];
+    if (w > r.width + 0.5) bad.push(['plot wider than its box', w, r.width, ...who]);
+    if (w < r.width - 1.5) bad.push(['plot narrower than its box', w, r.width, ...who]);
   }
   const texts = lab.querySelectorAll('.widget-label, .widget-label-basic, button, ' +
                                      '.widget-checkbox label, .widget-dropdown select');
