@@ -297,8 +297,8 @@ def test_long_runs_are_thinned_with_a_few_full_sends():
     assert loss.shown <= 100 and loss.stride == 32  # 2000 / 32 = 63 points shown
     # the loss trace (index 0 of the loss figure) goes in full once per stride 2, 4, 8, 16, 32;
     # the rest of the messages carry new points only
-    full = [ys[idx.index(0)] for msg in sent for cls, idx, _, ys in msg["replace"]
-            if cls.endswith("-0") and 0 in idx]
+    full = [ys[idx.index(0)] for msg in sent for key, idx, _, ys in msg["replace"]
+            if key == plots.loss.layout.meta and 0 in idx]
     assert len(full) == 5 and all(len(ys) <= 100 for ys in full)
     assert full[-1] == plots.points("loss")[:32 * len(full[-1]):32]
     # what the page holds at the end: the last full copy and the points extended after it
@@ -362,9 +362,7 @@ def test_the_readout_shows_the_steps_predicted_peak(lab):
 
 
 def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
-    # beside the memory plot from the grid's making: a box whose children change after it is
-    # shown makes new views of the figures after the change
-    p = lab.plots
+    p = lab.plots  # beside the memory plot
     assert p.widget.children == (p.loss, p.memory, lab.peaks.widget, p.timing, p.feeder)
     lab.set(steps=4)
     lab.run()
@@ -392,6 +390,38 @@ def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
     assert set(bars) == {"r0 measured", "r1 measured", "r0 predicted"}
     unit = dict(ddpkit.explore.units.UNITS)[panel.figure.layout.xaxis.title.text]
     assert bars["r0 measured"] * unit == pytest.approx(last[0]["peak_bytes"], rel=1e-9)
+
+
+def test_a_lab_sets_each_box_of_figures_once():
+    """A box whose children change after it is opened can be drawn with the old ones first; the
+    page then makes new views of the figures after the change (one such view, under two busy
+    cores, never got its classes). The Lab sends no change of a box's children while it is
+    made, and each live figure carries the key the page's feeder finds it by from the start."""
+    import ipywidgets as W
+
+    sent, send = [], W.Widget._send
+    W.Widget._send = lambda self, msg, buffers=None: sent.append((self, msg))
+    try:
+        lab = ddpkit.Lab(ddpkit.TrainConfig(**CFG))
+    finally:
+        W.Widget._send = send
+    with lab:
+        changed = [type(w).__name__ for w, msg in sent
+                   if msg.get("method") == "update" and "children" in msg.get("state", {})]
+        assert changed == []
+        assert all(fig._widget_layout["meta"] == fig.layout.meta for fig in lab.plots.figures)
+
+
+def test_a_smoothing_factor_outside_0_to_1_is_refused_by_name():
+    import threading
+
+    with pytest.raises(ValueError, match=r"LivePlots\(ema=1\): .* \[0, 1\); pass e.g. ema=0.95"):
+        ddpkit.LivePlots(ema=1)
+    panels = sum(t.name == "ddpkit-peak-panel" for t in threading.enumerate())
+    with pytest.raises(ValueError, match=r"Lab\(ema=-0.1\): the smoothing factor"):
+        ddpkit.Lab(ddpkit.TrainConfig(**CFG), ema=-0.1)
+    # refused before the Lab's peak panel starts its thread
+    assert sum(t.name == "ddpkit-peak-panel" for t in threading.enumerate()) == panels
 
 
 def test_a_lab_shows_once_as_a_widget_does(tmp_path):

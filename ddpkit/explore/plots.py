@@ -44,6 +44,13 @@ def thin(xs, ys, max_points):
     return [xs[i] for i in idx], [ys[i] for i in idx]
 
 
+def check_ema(ema, who):
+    """The loss plot's smoothing factor, or a ValueError that names it (``who``: the caller)."""
+    if not 0 <= ema < 1:
+        raise ValueError(f"{who}(ema={ema!r}): the smoothing factor must be in [0, 1); "
+                         f"pass e.g. ema=0.95 (0 turns the smoothed loss off)")
+
+
 class _Feeder(anywidget.AnyWidget):
     """Appends points to the figures of one `LivePlots` in the browser (``Plotly.extendTraces``).
 
@@ -155,9 +162,7 @@ class LivePlots:
                  beside_memory=None):
         import plotly.graph_objects as go
 
-        if not 0 <= ema < 1:
-            raise ValueError(f"LivePlots(ema={ema!r}): the smoothing factor must be in [0, 1); "
-                             f"pass e.g. ema=0.95 (0 turns the smoothed loss off)")
+        check_ema(ema, "LivePlots")
         self.max_hz, self.max_points, self.ema = max_hz, max_points, ema
         self._lock = threading.Lock()
         self._pending = []
@@ -168,24 +173,24 @@ class LivePlots:
         legend = dict(orientation="h", x=0, xanchor="left", y=1.0, yanchor="bottom",
                       font=dict(size=11), bgcolor="rgba(255,255,255,0.6)")
 
-        def figure(title, ytitle, **extra):
-            layout = dict(title=dict(text=title, x=0.01, xanchor="left", y=0.98, yanchor="top",
+        def figure(key, title, ytitle, right=16, **extra):
+            # meta: how the page's feeder finds the figure's plot div (in the layout the
+            # figure is made with, so a view the page makes again has it too)
+            layout = dict(meta=f"{self._uid}-{key}",
+                          title=dict(text=title, x=0.01, xanchor="left", y=0.98, yanchor="top",
                                      font=dict(size=14)),
                           height=height, autosize=True, legend=legend,
                           xaxis=dict(title=dict(text="optimizer step", standoff=4)),
                           yaxis=dict(title=dict(text=ytitle, standoff=4)),
-                          margin=dict(t=92, b=44, l=56, r=16), template="plotly_white", **extra)
+                          margin=dict(t=92, b=44, l=56, r=right), template="plotly_white", **extra)
             return fitted(go.FigureWidget(layout=layout))
 
-        self.loss = figure("loss per rank", "loss")
-        self.memory = figure("memory per rank", "MiB")
-        self.timing = figure("step time and all-reduce calls", "ms per step",
+        self.loss = figure(0, "loss per rank", "loss")
+        self.memory = figure(1, "memory per rank", "MiB")
+        self.timing = figure(2, "step time and all-reduce calls", "ms per step", right=56,
                              yaxis2=dict(title=dict(text="all-reduces per step", standoff=4),
                                          overlaying="y", side="right", rangemode="tozero",
                                          showgrid=False))
-        self.timing.layout.margin.r = 56
-        for i, fig in enumerate(self.figures):
-            fig.layout.meta = f"{self._uid}-{i}"  # how the page's feeder finds its plot div
         self.feeder = _Feeder()
         extra = [beside_memory] if beside_memory is not None else []
         self.widget = grid([self.loss, self.memory, *extra, self.timing, self.feeder])

@@ -21,7 +21,7 @@ from .lab_follow import RunFollower
 from .lab_runs import LabRunner
 from .lab_view import LabView
 from .peak_panel import PeakPanel
-from .plots import LivePlots
+from .plots import LivePlots, check_ema
 from .timeline import LiveTimeline, link_label
 
 
@@ -40,6 +40,8 @@ class Lab:
             raise ValueError(f"Lab(max_hz={max_hz!r}): figure updates per second must be > 0; "
                              f"pass e.g. max_hz=5")
         from .plan_panel import PlanPanel
+
+        check_ema(ema, "Lab")  # before the peak panel starts its thread
 
         self.cfg = cfg or TrainConfig()
         self.history = []
