@@ -9,15 +9,16 @@ JupyterLab's side panel or dragging a split changes the box and sends no window 
 
 `fitted(fig)` makes a figure responsive. One small anywidget per kernel (`_Fitter`, never
 displayed: a front-end model runs its ``initialize`` when it is created) keeps every responsive
-plot of the page at its box's width, redrawing it through the handler plotly gave it for the
-window's event: responsive is taken to mean what a reader expects of it. It finds the plots by
-what plotly drew (a plot div whose config is responsive), not by a class: ipywidgets adds a
-view's classes only once the view is attached, and one view drawn in a test run never got them. A ``ResizeObserver`` on each plot answers a
-change of its box at once; a check twice a second catches what an observer never reports (a plot
-redrawn at another width in a box that stayed, a cell the page skipped while the box changed),
-retrying a plot at most once a second. A redraw takes the div's height too, so `grid`, which
-holds these figures, aligns its items at the start (a stretched grid item would make a plot as
-tall as the tallest in its row).
+plot of the page at its box's width, ddpkit's or not, through the handler plotly gave it for the
+window's event: responsive is taken to mean what a reader expects of it. A figure with a fixed
+width is left as it is. The plots are found by what plotly drew (a plot div whose config is
+responsive), not by a class: ipywidgets adds a view's classes only once the view is attached,
+and one view drawn in a test run never got them. A ``ResizeObserver`` on each plot answers a
+change of its box at once; a check twice a second catches what an observer never reports (a
+plot redrawn at another width in a box that stayed), retrying a plot at most once a second.
+A plot in a cell the page skips (JupyterLab's ``content-visibility``) is fitted when shown.
+A redraw takes the div's height too, so `grid`, which holds these figures, aligns its items at
+the start (a stretched grid item would make a plot as tall as the tallest in its row).
 """
 from __future__ import annotations
 
@@ -26,34 +27,46 @@ import anywidget
 
 class _Fitter(anywidget.AnyWidget):
     _esm = """
-    // one watcher per page, whichever kernel's fitter comes first
+    // one watcher per page, whichever kernel's fitter comes first; a newer ddpkit's replaces an
+    // older one's (a kernel restarted on a new version, the page not reloaded)
+    const VERSION = 2;
     function initialize({ model }) {
-      if (window.__ddpkitFit) return;
+      const old = window.__ddpkitFit;
+      if (old && old.version >= VERSION) return;
+      if (old !== undefined) clearInterval(typeof old === 'number' ? old : old.id);
       const plots = document.getElementsByClassName('js-plotly-plot');  // live, no layout
       const observed = new Set();
       // a responsive, autosized plot whose drawn width is not its box's: redrawn through the
       // handler of the plotly.js that drew it (the page may hold two), which skips a hidden plot
       function fit(gd, now) {
         const svg = gd.querySelector('.main-svg'), handler = gd._responsiveChartHandler;
+        // a fixed width, or a config plotly sizes by other rules: not this watcher's to fit
+        const c = gd._context || {};
         if (!svg || !handler || (gd.layout && gd.layout.width)) return;
+        if (c.fillFrame || c.frameMargins) return;
         if (gd.checkVisibility && !gd.checkVisibility({contentVisibilityAuto: true})) return;
         // the width plotly itself reads when it sizes an autosized plot
-        const w = parseFloat(getComputedStyle(gd).width), drawn = parseFloat(svg.getAttribute('width'));
-        if (!(w > 0 && drawn > 0 && Math.abs(drawn - w) > 1)) return;
+        const w = parseFloat(getComputedStyle(gd).width);
+        const drawn = parseFloat(svg.getAttribute('width'));
+        // (plotly draws 10 px at the least, and fits to within 1 px)
+        if (!(w >= 10 && drawn > 0 && Math.abs(drawn - w) > 1)) return;
         if (now !== undefined && now < (gd.__ddpkitFitAt || 0)) return;  // a retry: once a second
         gd.__ddpkitFitAt = performance.now() + 1000;
         handler();
       }
       const onResize = new ResizeObserver(entries => { for (const e of entries) fit(e.target); });
-      window.__ddpkitFit = setInterval(() => {
+      const id = setInterval(() => {
         const now = performance.now();
-        for (const gd of observed) if (!gd.isConnected) { onResize.unobserve(gd); observed.delete(gd); }
+        for (const gd of observed) {
+          if (!gd.isConnected) { onResize.unobserve(gd); observed.delete(gd); }
+        }
         for (const gd of plots) {
           if (!(gd._context && gd._context.responsive)) continue;
           if (!observed.has(gd)) { observed.add(gd); onResize.observe(gd); }
           fit(gd, now);
         }
       }, 500);
+      window.__ddpkitFit = {version: VERSION, id: id};
     }
     export default { initialize };
     """
