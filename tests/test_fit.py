@@ -1,26 +1,75 @@
 """ddpkit's figures are responsive, so the page's fitter redraws them at their box's width (the
-page's side is tests/browser/test_lab_browser.py), and the kernel always holds a live fitter."""
+page's side is tests/browser/test_lab_browser.py), the kernel always holds a live fitter, and a
+figure's comm opens with the whole figure in its opening message (fit.py says why)."""
+import comm
 import plotly.graph_objects as go
+import pytest
 
 from ddpkit.explore import fit
 
 
+@pytest.fixture
+def opening():
+    """The state each comm opened in this test carried in its opening message, by comm id."""
+    states, create = {}, comm.create_comm
+
+    def create_comm(**kw):
+        c = create(**kw)
+        states[c.comm_id] = kw["data"]["state"]
+        return c
+
+    comm.create_comm = create_comm
+    try:
+        yield states
+    finally:
+        comm.create_comm = create
+
+
 def test_a_figure_is_responsive_and_the_kernel_holds_one_live_fitter():
-    a, b = go.FigureWidget(), go.FigureWidget()
-    assert not b._config.get("responsive")  # plotly's default: the fitter leaves such plots be
-    assert fit.fitted(a) is a
+    assert not go.FigureWidget()._config.get("responsive")  # plotly's default: the fitter
+    a = fit.figure(dict(title=dict(text="a")))  # leaves such plots be
     assert a._config["responsive"]  # the page's fitter finds it so, and redraws through the
     # handler plotly gives a responsive plot
     first = fit._fitter
-    fit.fitted(b)
+    fit.figure(dict(title=dict(text="b")))
     assert fit._fitter is first and first.comm is not None  # one per kernel
 
 
 def test_a_closed_fitter_is_made_again():
-    fit.fitted(go.FigureWidget())
+    fit.figure({})
     closed = fit._fitter
     closed.close()  # as Widget.close_all() does (not called here: other tests' widgets live on)
     assert closed.comm is None
-    fig = fit.fitted(go.FigureWidget())
+    fig = fit.figure({})
     assert fit._fitter is not closed and fit._fitter.comm is not None
     assert fig._config["responsive"]
+
+
+def test_a_figure_opens_its_comm_with_all_of_it(opening):
+    """A plain FigureWidget opens its comm empty and sends its layout and config after: a page
+    that takes a snapshot of the kernel's widgets in between draws a blank plot, never fitted.
+    A held figure sends nothing until it is opened, then its comm opens with its layout, the
+    traces added meanwhile, its config and classes; nothing follows."""
+    plain = go.FigureWidget(layout=dict(title=dict(text="plain")))
+    assert opening[plain.comm.comm_id]["_widget_layout"] == {}  # what ddpkit's figures avoid
+
+    fig = fit.held(dict(title=dict(text="loss"), height=330))
+    fig.add_scatter(x=[0, 1], y=[2.0, 3.0], name="rank 0")
+    with fig.batch_update():
+        fig.layout.yaxis.title.text = "loss"
+    assert fig.comm is None  # nothing sent, nothing to send to
+    updates, send = [], fig._send
+    fig._send = lambda msg, buffers=None: (updates.append(msg), send(msg, buffers))
+    assert fit.opened(fig, classes=["ddpkit-swimlanes"]) is fig
+    state = opening[fig.comm.comm_id]
+    assert state["_widget_layout"]["title"]["text"] == "loss"
+    assert state["_widget_layout"]["yaxis"]["title"]["text"] == "loss"
+    assert state["_widget_layout"]["height"] == 330
+    assert [t["name"] for t in state["_widget_data"]] == ["rank 0"]
+    assert list(state["_widget_data"][0]["y"]) == [2.0, 3.0]
+    assert state["_config"]["responsive"] and list(state["_dom_classes"]) == ["ddpkit-swimlanes"]
+    assert updates == []
+    # and it stays a live figure: a later change goes to the page as plotly sends it
+    fig.add_scatter(x=[0], y=[1.0], name="rank 1")
+    assert [m["state"].get("_py2js_addTraces", {}) for m in updates
+            if "_py2js_addTraces" in m["state"]][0]["trace_data"][0]["name"] == "rank 1"

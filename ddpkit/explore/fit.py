@@ -19,8 +19,19 @@ plot redrawn at another width in a box that stayed), retrying a plot at most onc
 A plot in a cell the page skips (JupyterLab's ``content-visibility``) is fitted when shown.
 A redraw takes the div's height too, so `grid`, which holds these figures, aligns its items at
 the start (a stretched grid item would make a plot as tall as the tallest in its row).
+
+A figure's comm opens only when the figure is whole (`held`, then `opened`): its layout, first
+traces, config and classes go in the one message that opens it. A plain ``FigureWidget`` opens
+its comm empty and sends its layout and config after, in later messages. JupyterLab 4.6 sends
+a widget's comm messages on a subshell of the kernel, so when a page (re)connects, the
+kernel answers its ``request_states`` on another thread while the cell still runs. That
+snapshot can hold a figure half made: layout ``{}``, no config. The page applies it after the
+figure's own later messages, and draws a blank plot, 700 px wide and never fitted. This is
+seen in `tests/browser`; ``bench/widget_race.py`` catches such a snapshot in a kernel.
 """
 from __future__ import annotations
+
+import copy
 
 import anywidget
 
@@ -73,16 +84,53 @@ class _Fitter(anywidget.AnyWidget):
 
 
 _fitter = None
+_Figure = None
 
 
-def fitted(fig):
-    """``fig`` (a FigureWidget), made responsive: the page's fitter redraws it at its box's width
-    whenever that changes (through the handler plotly gives a responsive plot)."""
+def _figure_class():
+    """A ``FigureWidget`` whose comm stays closed until `opened` says it is whole (plotly is
+    imported when the first figure is made)."""
+    global _Figure
+    if _Figure is None:
+        import plotly.graph_objects as go
+
+        class Figure(go.FigureWidget):
+            _held = True  # until `opened`: ipywidgets opens a comm in __init__, this one waits
+
+            def open(self):
+                if not self._held:
+                    super().open()
+
+        _Figure = Figure
+    return _Figure
+
+
+def held(layout):
+    """A figure of ``layout`` whose comm is not open yet: add its first traces, then `opened`.
+    Until then nothing it does is sent (there is no page to send it to)."""
+    return _figure_class()(layout=layout)
+
+
+def opened(fig, classes=()):
+    """``fig`` (from `held`), responsive and with ``classes``, its comm opened with all of it
+    (layout, traces, config, classes) in the opening message; the page's fitter redraws it at
+    its box's width whenever that changes (through the handler plotly gives a responsive plot)."""
     global _fitter
     if _fitter is None or _fitter.comm is None:  # none yet, or closed (Widget.close_all)
         _fitter = _Fitter()
     fig._config = {"responsive": True, "displaylogo": False}
+    fig._dom_classes = tuple(classes)
+    # what plotly's own __init__ sends (after its comm opened): the figure as it is now
+    fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
+    fig._widget_data = copy.deepcopy(fig._data)
+    fig._held = False
+    fig.open()
     return fig
+
+
+def figure(layout, classes=()):
+    """A responsive figure of ``layout`` with no traces yet, opened whole (`held`, `opened`)."""
+    return opened(held(layout), classes)
 
 
 def grid(children):

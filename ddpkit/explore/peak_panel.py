@@ -15,7 +15,7 @@ import time
 
 from ..engine.memory import KINDS
 from . import background
-from .fit import fitted
+from .fit import figure
 from .units import byte_unit, fmt_bytes
 
 KIND_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#e45756",
@@ -36,16 +36,14 @@ class PeakPanel:
 
     def __init__(self, height=330, min_period=1.0):
         import ipywidgets as W
-        import plotly.graph_objects as go
 
         self.min_period = min_period
-        self.figure = go.FigureWidget(layout=dict(
+        self.figure = figure(dict(
             title=dict(text="what the peak is made of", x=0.01, xanchor="left", y=0.98,
                        yanchor="top", font=dict(size=14)),
             barmode="stack", height=height - 70, autosize=True, template="plotly_white",
             legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=10)),
             margin=dict(t=92, b=36, l=96, r=16), xaxis=dict(title=dict(text="MiB", standoff=4))))
-        fitted(self.figure)
         self.table = W.HTML()
         self.widget = W.VBox([self.figure, self.table], layout=W.Layout(min_width="0"))
         self.cfg, self.last, self.predicted = None, {}, {}

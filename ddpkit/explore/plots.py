@@ -25,7 +25,7 @@ import anywidget
 import traitlets
 
 from ..engine.policies import CheckpointSetting
-from .fit import fitted, grid
+from .fit import grid, held, opened
 from .units import MIB, byte_unit
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
@@ -160,8 +160,6 @@ class LivePlots:
 
     def __init__(self, world_size=2, max_hz=5.0, max_points=2000, height=330, ema=0.95,
                  beside_memory=None):
-        import plotly.graph_objects as go
-
         check_ema(ema, "LivePlots")
         self.max_hz, self.max_points, self.ema = max_hz, max_points, ema
         self._lock = threading.Lock()
@@ -183,7 +181,7 @@ class LivePlots:
                           xaxis=dict(title=dict(text="optimizer step", standoff=4)),
                           yaxis=dict(title=dict(text=ytitle, standoff=4)),
                           margin=dict(t=92, b=44, l=56, r=right), template="plotly_white", **extra)
-            return fitted(go.FigureWidget(layout=layout))
+            return held(layout)  # opened below, once its first traces are in
 
         self.loss = figure(0, "loss per rank", "loss")
         self.memory = figure(1, "memory per rank", "MiB")
@@ -191,12 +189,14 @@ class LivePlots:
                              yaxis2=dict(title=dict(text="all-reduces per step", standoff=4),
                                          overlaying="y", side="right", rangemode="tozero",
                                          showgrid=False))
-        self.feeder = _Feeder()
-        extra = [beside_memory] if beside_memory is not None else []
-        self.widget = grid([self.loss, self.memory, *extra, self.timing, self.feeder])
         self._traces, self._ema, self._marks = {}, {}, 0
         self._mem_unit = ("MiB", MIB)
         self.new_run(world_size)
+        for fig in self.figures:
+            opened(fig)  # each figure's comm opens with its layout and traces (fit.py says why)
+        self.feeder = _Feeder()
+        extra = [beside_memory] if beside_memory is not None else []
+        self.widget = grid([self.loss, self.memory, *extra, self.timing, self.feeder])
 
     @property
     def figures(self):
