@@ -392,24 +392,62 @@ def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
     assert bars["r0 measured"] * unit == pytest.approx(last[0]["peak_bytes"], rel=1e-9)
 
 
-def test_a_lab_sets_each_box_of_figures_once():
-    """A box whose children change after it is opened can be drawn with the old ones first; the
-    page then makes new views of the figures after the change (one such view, under two busy
-    cores, never got its classes). The Lab sends no change of a box's children while it is
-    made, and each live figure carries the key the page's feeder finds it by from the start."""
+@pytest.mark.parametrize("checkpoint", [2, [True, False, True, False]])
+def test_every_widget_of_a_lab_opens_with_its_whole_state(checkpoint):
+    """JupyterLab 4.6 sends widget messages on a kernel subshell, so a page that (re)connects
+    can be handed every widget's state as it was at any moment of the cell: a widget's later
+    changes can be lost on the page. A figure, opened empty, then drew blank: no title, no
+    traces, 700 px wide and never fitted. So the Lab sends nothing while it is made: each
+    widget's comm opens with its whole state (the figures' layouts, traces, config and classes;
+    the toggles, the line above them and the read-out as the config says), and each live
+    figure carries the key the page's feeder finds it by."""
+    import threading
+
+    import comm
     import ipywidgets as W
 
+    opened, create = {}, comm.create_comm
     sent, send = [], W.Widget._send
-    W.Widget._send = lambda self, msg, buffers=None: sent.append((self, msg))
+    main = threading.current_thread()
+
+    def create_comm(**kw):
+        c = create(**kw)
+        opened[c.comm_id] = kw["data"]["state"]
+        return c
+
+    def record(self, msg, buffers=None):  # what the main thread sends through an open comm
+        if self.comm is not None and threading.current_thread() is main:
+            sent.append((type(self).__name__, sorted(msg.get("state", {}))))
+        return send(self, msg, buffers)
+
+    comm.create_comm, W.Widget._send = create_comm, record
     try:
-        lab = ddpkit.Lab(ddpkit.TrainConfig(**CFG))
+        lab = ddpkit.Lab(ddpkit.TrainConfig(**CFG, checkpoint=checkpoint))
     finally:
-        W.Widget._send = send
+        comm.create_comm, W.Widget._send = create, send
     with lab:
-        changed = [type(w).__name__ for w, msg in sent
-                   if msg.get("method") == "update" and "children" in msg.get("state", {})]
-        assert changed == []
-        assert all(fig._widget_layout["meta"] == fig.layout.meta for fig in lab.plots.figures)
+        assert sent == []
+        figures = [*lab.plots.figures, lab.peaks.figure, lab.timeline.lanes,
+                   lab.timeline.exposed]
+        for fig in figures:
+            state = opened[fig.comm.comm_id]
+            assert state["_widget_layout"]["title"]["text"] == fig.layout.title.text
+            assert state["_config"]["responsive"]
+            assert [t.get("name") for t in state["_widget_data"]] == [t.name for t in fig.data]
+        assert opened[lab.plots.loss.comm.comm_id]["_widget_data"]  # the run's traces are in
+        assert all(opened[f.comm.comm_id]["_widget_layout"]["meta"] == f.layout.meta
+                   for f in lab.plots.figures)
+        assert "ddpkit-swimlanes" in opened[lab.timeline.lanes.comm.comm_id]["_dom_classes"]
+        assert "ddpkit-lab" in opened[lab.widget.comm.comm_id]["_dom_classes"]
+        assert "ddpkit-blocks" in opened[lab.blocks.widget.comm.comm_id]["_dom_classes"]
+        mask = lab.config().checkpointing.mask
+        assert any(mask) and [opened[t.comm.comm_id]["value"] for t in lab.block_toggles] == mask
+        summary = opened[lab.blocks.summary.comm.comm_id]["value"]
+        assert summary == lab.blocks.summary.value and f"({sum(mask)} of 4 blocks)" in summary
+        assert opened[lab.controls["segments"].comm.comm_id]["value"] == (
+            checkpoint if isinstance(checkpoint, int) else 0)
+        assert "predicted per rank" in opened[lab.estimate_html.comm.comm_id]["value"]
+        assert list(opened[lab.traceback.comm.comm_id]["titles"]) == ["traceback"]
 
 
 def test_a_smoothing_factor_outside_0_to_1_is_refused_by_name():

@@ -25,20 +25,26 @@ STYLE = {"description_width": "110px"}
 class BlockControl:
     """Which blocks are checkpointed. ``stacks``: ``[(path, [block name, ...]), ...]``."""
 
-    def __init__(self, stacks):
+    def __init__(self, stacks, setting=None):
         self.stacks = [(path, list(names)) for path, names in stacks]
+        n = sum(len(names) for _, names in self.stacks)
+        # made showing ``setting`` (none: no block checkpointed), so that each widget's comm
+        # opens with its whole state (fit.py says why a later change can be lost on a page)
+        setting = setting if setting is not None else CheckpointSetting(None, n)
+        mask = list(setting.mask) + [False] * n
         self.toggles, grids = [], []
         for path, names in self.stacks:
-            mine = [W.ToggleButton(False, description=name.rsplit(".", 1)[-1],
+            first = len(self.toggles)
+            mine = [W.ToggleButton(mask[first + i], description=name.rsplit(".", 1)[-1],
                                    tooltip=f"checkpoint {name}",
+                                   button_style="info" if mask[first + i] else "",
                                    layout=W.Layout(width="auto", height="24px", padding="0",
                                                    margin="0"))
-                    for name in names]
+                    for i, name in enumerate(names)]
             self.toggles += mine
             grids.append(self._grid(path, mine, several=len(self.stacks) > 1))
-        n = len(self.toggles)
         self._callbacks, self._quiet = [], False
-        self.summary = W.HTML(layout=W.Layout(margin="0 0 2px 4px"))
+        self.summary = W.HTML(self._text(setting), layout=W.Layout(margin="0 0 2px 4px"))
         self.range = W.IntRangeSlider(value=(0, max(n - 1, 0)), min=0, max=max(n - 1, 0),
                                       description="ckpt blocks", continuous_update=False,
                                       style=STYLE, layout=W.Layout(width="auto",
@@ -59,9 +65,8 @@ class BlockControl:
         row = W.Box([self.every, self.on_button, self.off_button],
                     layout=W.Layout(display="flex", flex_flow="row wrap", align_items="center"))
         self.widget = W.VBox([self.summary, self.range, row, *grids],
-                             layout=W.Layout(width="100%"))
-        self.widget.add_class("ddpkit-blocks")  # the browser test finds the control by it
-        self.show(CheckpointSetting(None, n))
+                             layout=W.Layout(width="100%"),
+                             _dom_classes=["ddpkit-blocks"])  # the browser test finds it so
 
     @staticmethod
     def _grid(path, toggles, several):
@@ -105,10 +110,13 @@ class BlockControl:
         return range(i, j + 1, k)
 
     def _say(self, setting):
-        n_on = sum(setting.mask)
-        self.summary.value = (f"<b>checkpointed</b>: {html.escape(setting.label())} "
-                              f"<span style='color:#666'>({n_on} of {setting.n_blocks} "
-                              f"blocks)</span>")
+        self.summary.value = self._text(setting)
+
+    @staticmethod
+    def _text(setting):
+        return (f"<b>checkpointed</b>: {html.escape(setting.label())} "
+                f"<span style='color:#666'>({sum(setting.mask)} of {setting.n_blocks} "
+                f"blocks)</span>")
 
     def _pick(self, on):
         mask = [t.value for t in self.toggles]

@@ -96,7 +96,7 @@ class ConfigSync:
             view.run_button.disabled = True
             return
         e = estimate(cfg)
-        view.estimate_html.value = _readout(e, "<i>simulating the step...</i>")
+        view.estimate_html.value = first_readout(e)
         view.run_button.disabled = self.running()
         with self._wake:  # the peak takes a simulated step: on a thread, the latest config only
             self._wanted = (self._generation, cfg, e)
@@ -127,6 +127,11 @@ class ConfigSync:
         except ValueError as exc:  # a notebook-defined model has no import path
             view.torchrun_text.value = str(exc)
         view.torchrun_text.layout.display = ""
+
+
+def first_readout(e):
+    """The read-out of estimate ``e`` while its peak is simulated (on the thread)."""
+    return _readout(e, "<i>simulating the step...</i>")
 
 
 def _readout(e, peak_text):

@@ -19,10 +19,14 @@ class LabView:
     """Every widget of a Lab for ``cfg``; ``widget`` is the whole dashboard. ``plots``: the
     `LivePlots` shown beside the controls; ``planner``: the planner box (`PlanPanel`)."""
 
-    def __init__(self, cfg, plots, planner, timeline=None):
+    def __init__(self, cfg, plots, planner, timeline=None, readout=""):
+        # every widget is made showing ``cfg`` (and ``readout``, the estimate's first read-out),
+        # so that its comm opens with its whole state: a page that asks the kernel for every
+        # widget's state while the cell runs can be handed a widget as it was when its comm
+        # opened, after the changes that followed (fit.py says when)
         self.plots, self.planner, self.timeline = plots, planner, timeline
         self._build_controls(cfg)
-        self._build_run_widgets(cfg)
+        self._build_run_widgets(cfg, readout)
         self._lay_out()
 
     def _build_controls(self, c):
@@ -35,7 +39,8 @@ class LabView:
         self.controls = {
             "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style,
                                       layout=full()),
-            "segments": W.IntSlider(0, 0, shortest, description="ckpt segments", style=style,
+            "segments": W.IntSlider(c.checkpoint if isinstance(c.checkpoint, int) else 0, 0,
+                                    shortest, description="ckpt segments", style=style,
                                     layout=full(),
                                     tooltip="0 = off; s = checkpoint_sequential segments in each "
                                             "stack (the last segment is never checkpointed)"),
@@ -55,10 +60,10 @@ class LabView:
         # the blocks the config found in the model, stack by stack (their full module names as
         # tooltips), counted over all stacks in order
         self.blocks = BlockControl([(s.path, block_names([(s.path, s.n_blocks)]))
-                                    for s in c.info.stacks])
+                                    for s in c.info.stacks], c.checkpointing)
         self.block_toggles = self.blocks.toggles
 
-    def _build_run_widgets(self, cfg):
+    def _build_run_widgets(self, cfg, readout):
         """Buttons, progress, the estimate read-out, error banner, rank output, history."""
         self.smooth = W.Checkbox(bool(self.plots.ema), description="smoothed loss (EMA)",
                                  indent=False, disabled=not self.plots.ema)
@@ -73,13 +78,12 @@ class LabView:
                                       style={"description_width": "110px"},
                                       layout=W.Layout(width="auto", max_width="380px"))
         self.progress_label = W.Label("", layout=W.Layout(width="100%"))
-        self.estimate_html = W.HTML()
+        self.estimate_html = W.HTML(readout)
         self.banner = W.HTML()
-        self.traceback = W.Accordion(children=[W.HTML()], layout=W.Layout(display="none"))
-        self.traceback.set_title(0, "traceback")
+        self.traceback = W.Accordion(children=[W.HTML()], titles=("traceback",),
+                                     layout=W.Layout(display="none"))
         self.output = W.Output(layout=W.Layout(max_height="160px", overflow="auto"))
-        self._out_box = W.Accordion(children=[self.output])
-        self._out_box.set_title(0, "rank output")
+        self._out_box = W.Accordion(children=[self.output], titles=("rank output",))
         self.history_html = W.HTML()
 
     def _lay_out(self):
@@ -99,8 +103,8 @@ class LabView:
                                                     grid_gap="8px"))
         lanes = [self.timeline.widget] if self.timeline is not None else []  # [timeline]
         self.widget = W.VBox([self.banner, self.traceback, main, *lanes, self._out_box,
-                              self.history_html], layout=W.Layout(width="100%"))
-        self.widget.add_class("ddpkit-lab")  # the browser test finds the lab by it
+                              self.history_html], layout=W.Layout(width="100%"),
+                             _dom_classes=["ddpkit-lab"])  # the browser test finds the lab so
 
     def set_running(self, on):
         """Controls that cannot change mid-run are disabled meanwhile, with the reason."""

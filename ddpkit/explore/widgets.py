@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from ..config import TrainConfig
 from .estimate import activation_bytes
-from .lab_config import ConfigSync
+from .estimate import estimate
+from .lab_config import ConfigSync, first_readout
 from .lab_follow import RunFollower
 from .lab_runs import LabRunner
 from .lab_view import LabView
@@ -52,7 +53,9 @@ class Lab:
         self.timeline = LiveTimeline(self.cfg.world_size, max_hz=1.0)  # [timeline] swimlanes
         # a budget or a GPU in: the block toggles set to the plan, through this Lab's `set`
         self.planner = PlanPanel(self)
-        self.view = LabView(self.cfg, self.plots, self.planner, self.timeline)
+        # the read-out the controls will ask for, made first: each widget opens whole
+        readout = first_readout(estimate(self.cfg))
+        self.view = LabView(self.cfg, self.plots, self.planner, self.timeline, readout)
         self.sync = ConfigSync(self.view, self.cfg, lambda: self.running,
                                lambda **kw: self._handle.send_control(**kw))
         self.runner = LabRunner(self.view)
