@@ -132,6 +132,8 @@ FIT = """(i) => {
     // which plot, and what the page's fitter works from: plotly's drawn width, its config
     const who = [(gd.querySelector('.gtitle') || {}).textContent || '(untitled)', gd.className,
                  gd._fullLayout && gd._fullLayout.width, !!(gd._context && gd._context.responsive)];
+    // a figure the page drew from a half-made state: no title, plotly's default config
+    if (!who[3] || who[0] === '(untitled)') bad.push(['drawn half made', ...who]);
     if (w > r.width + 0.5) bad.push(['plot wider than its box', w, r.width, ...who]);
     if (w < r.width - 1.5) bad.push(['plot narrower than its box', w, r.width, ...who]);
   }
