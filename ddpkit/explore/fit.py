@@ -7,7 +7,7 @@ default of 700 px and keeps it until the window is resized: in a 490 px grid col
 1920 px window) it spills over its neighbour, in an 848 px one it leaves a gap. Opening
 JupyterLab's side panel or dragging a split changes the box and sends no window event at all.
 
-`fitted(fig)` makes a figure responsive. One small anywidget per kernel (`_Fitter`, never
+`opened(fig)` makes a figure responsive (`figure(layout)` makes one so). One small anywidget per kernel (`_Fitter`, never
 displayed: a front-end model runs its ``initialize`` when it is created) keeps every responsive
 plot of the page at its box's width, ddpkit's or not, through the handler plotly gave it for the
 window's event: responsive is taken to mean what a reader expects of it. A figure with a fixed
@@ -27,7 +27,10 @@ a widget's comm messages on a subshell of the kernel, so when a page (re)connect
 kernel answers its ``request_states`` on another thread while the cell still runs. That
 snapshot can hold a figure half made: layout ``{}``, no config. The page applies it after the
 figure's own later messages, and draws a blank plot, 700 px wide and never fitted. This is
-seen in `tests/browser`; ``bench/widget_race.py`` catches such a snapshot in a kernel.
+seen in `tests/browser`; ``bench/widget_race.py`` catches such a snapshot in a kernel. (A
+snapshot still holds each figure as it was opened: plotly never updates ``_widget_layout`` or
+``_widget_data`` after that, so a page that reconnects mid-run draws the figures as they
+opened, and the live points from then on.)
 """
 from __future__ import annotations
 
@@ -88,27 +91,38 @@ _Figure = None
 
 
 def _figure_class():
-    """A ``FigureWidget`` whose comm stays closed until `opened` says it is whole (plotly is
-    imported when the first figure is made)."""
+    """`HeldFigureWidget`, made when the first figure is (plotly is imported then)."""
     global _Figure
     if _Figure is None:
         import plotly.graph_objects as go
 
-        class Figure(go.FigureWidget):
-            _held = True  # until `opened`: ipywidgets opens a comm in __init__, this one waits
+        class HeldFigureWidget(go.FigureWidget):
+            """A ``FigureWidget`` whose comm stays closed, made with ``held=True``, until
+            `opened`: ipywidgets opens a comm in ``__init__``; this one waits until it is
+            whole. Made without ``held`` (plotly's own copies), it is a plain FigureWidget."""
+
+            def __init__(self, *args, held=False, **kwargs):
+                self._held = held  # read by open(), which ipywidgets' __init__ calls
+                super().__init__(*args, **kwargs)
 
             def open(self):
                 if not self._held:
                     super().open()
 
-        _Figure = Figure
+            def _repr_mimebundle_(self, *args, **kwargs):
+                if self._held:
+                    raise RuntimeError("this figure is held (ddpkit.explore.fit.held): nothing "
+                                       "is sent until fit.opened(fig); call that first")
+                return super()._repr_mimebundle_(*args, **kwargs)
+
+        _Figure = HeldFigureWidget
     return _Figure
 
 
 def held(layout):
     """A figure of ``layout`` whose comm is not open yet: add its first traces, then `opened`.
     Until then nothing it does is sent (there is no page to send it to)."""
-    return _figure_class()(layout=layout)
+    return _figure_class()(layout=layout, held=True)
 
 
 def opened(fig, classes=()):
