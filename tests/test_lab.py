@@ -392,19 +392,23 @@ def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
     assert bars["r0 measured"] * unit == pytest.approx(last[0]["peak_bytes"], rel=1e-9)
 
 
-@pytest.mark.parametrize("checkpoint", [2, [True, False, True, False]])
-def test_every_widget_of_a_lab_opens_with_its_whole_state(checkpoint):
+@pytest.mark.parametrize("extra", [dict(checkpoint=2), dict(checkpoint=[True, False, True, False]),
+                                   dict(checkpoint=[True, True, False, False], micro_batch=100)])
+def test_every_widget_of_a_lab_opens_with_its_whole_state(extra):
     """JupyterLab 4.6 sends widget messages on a kernel subshell, so a page that (re)connects
     can be handed every widget's state as it was at any moment of the cell: a widget's later
     changes can be lost on the page. A figure, opened empty, then drew blank: no title, no
     traces, 700 px wide and never fitted. So the Lab sends nothing while it is made: each
-    widget's comm opens with its whole state (the figures' layouts, traces, config and classes;
-    the toggles, the line above them and the read-out as the config says), and each live
-    figure carries the key the page's feeder finds it by."""
+    widget's comm opens with the state it still has when the Lab is made (the figures' layouts,
+    traces, config and classes; the toggles, the line above them and the read-out as the
+    controls say, a micro batch of 100 shown as the slider's 64), and each live figure carries
+    the key the page's feeder finds it by."""
+    import copy
     import threading
 
     import comm
     import ipywidgets as W
+    from ipywidgets.widgets.widget import _instances, _remove_buffers
 
     opened, create = {}, comm.create_comm
     sent, send = [], W.Widget._send
@@ -412,7 +416,7 @@ def test_every_widget_of_a_lab_opens_with_its_whole_state(checkpoint):
 
     def create_comm(**kw):
         c = create(**kw)
-        opened[c.comm_id] = kw["data"]["state"]
+        opened[c.comm_id] = copy.deepcopy(kw["data"]["state"])
         return c
 
     def record(self, msg, buffers=None):  # what the main thread sends through an open comm
@@ -422,18 +426,27 @@ def test_every_widget_of_a_lab_opens_with_its_whole_state(checkpoint):
 
     comm.create_comm, W.Widget._send = create_comm, record
     try:
-        lab = ddpkit.Lab(ddpkit.TrainConfig(**CFG, checkpoint=checkpoint))
+        lab = ddpkit.Lab(ddpkit.TrainConfig(**{**CFG, **extra}))
     finally:
         comm.create_comm, W.Widget._send = create, send
     with lab:
         assert sent == []
+        # every widget the Lab made holds what it opened with (the read-out aside: its thread
+        # adds the simulated peak), so no snapshot of the page can undo a change
+        for model_id, state in opened.items():
+            w = _instances.get(model_id)
+            if w is None or w is lab.estimate_html:
+                continue
+            now = _remove_buffers(w.get_state())[0]
+            assert now == state, (type(w).__name__, [k for k in now if now[k] != state.get(k)])
         figures = [*lab.plots.figures, lab.peaks.figure, lab.timeline.lanes,
                    lab.timeline.exposed]
         for fig in figures:
             state = opened[fig.comm.comm_id]
+            assert state["_widget_layout"] == fig._layout_obj._props  # the figure as it is
+            assert state["_widget_data"] == fig._data
             assert state["_widget_layout"]["title"]["text"] == fig.layout.title.text
             assert state["_config"]["responsive"]
-            assert [t.get("name") for t in state["_widget_data"]] == [t.name for t in fig.data]
         assert opened[lab.plots.loss.comm.comm_id]["_widget_data"]  # the run's traces are in
         assert all(opened[f.comm.comm_id]["_widget_layout"]["meta"] == f.layout.meta
                    for f in lab.plots.figures)
@@ -442,11 +455,16 @@ def test_every_widget_of_a_lab_opens_with_its_whole_state(checkpoint):
         assert "ddpkit-blocks" in opened[lab.blocks.widget.comm.comm_id]["_dom_classes"]
         mask = lab.config().checkpointing.mask
         assert any(mask) and [opened[t.comm.comm_id]["value"] for t in lab.block_toggles] == mask
+        assert [opened[t.comm.comm_id]["button_style"] for t in lab.block_toggles] == [
+            "info" if on else "" for on in mask]  # pressed ones in colour
         summary = opened[lab.blocks.summary.comm.comm_id]["value"]
         assert summary == lab.blocks.summary.value and f"({sum(mask)} of 4 blocks)" in summary
+        checkpoint = extra["checkpoint"]
         assert opened[lab.controls["segments"].comm.comm_id]["value"] == (
             checkpoint if isinstance(checkpoint, int) else 0)
-        assert "predicted per rank" in opened[lab.estimate_html.comm.comm_id]["value"]
+        # the read-out opened saying what the controls say (a micro batch of 64, not 100)
+        assert opened[lab.estimate_html.comm.comm_id]["value"] == ddpkit.explore.lab_config \
+            .readout(lab.config)[0]
         assert list(opened[lab.traceback.comm.comm_id]["titles"]) == ["traceback"]
 
 

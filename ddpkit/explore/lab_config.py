@@ -18,7 +18,7 @@ class ConfigSync:
     def __init__(self, view, cfg, running, send):
         self.view, self.cfg, self.running, self.send = view, cfg, running, send
         self._syncing = False
-        self._selective = False
+        self._selective = isinstance(cfg.checkpoint, (list, str))  # blocks named: theirs
         self._wanted = None  # (generation, config, estimate) whose peak the read-out shows
         self._generation = 0  # one more per read-out: a late peak of an older one is dropped
         self._wake = threading.Condition()
@@ -38,15 +38,11 @@ class ConfigSync:
     def checkpoint_setting(self):
         """What the controls say, a `CheckpointSetting`: the per-block control's once it was
         edited, else the segments slider's (0: none)."""
-        if self._selective:
-            return self.cfg.setting(self.view.blocks.setting().value)
-        return self.cfg.setting(self.view.controls["segments"].value or None)
+        return checkpoint_of(self.cfg, self.view, self._selective)
 
     def config(self):
         """The TrainConfig the controls describe (raises ValueError naming the field)."""
-        v = {k: w.value for k, w in self.view.controls.items() if k != "segments"}
-        v.update({k: v[k] or None for k in ("bucket_cap_mb", "link_gbps")})  # 0: torch's/none
-        return self.cfg.replace(checkpoint=self.checkpoint_setting().plain, **v)
+        return described(self.cfg, self.view, self._selective)
 
     def on_control(self, change):
         if self._syncing:
@@ -89,15 +85,11 @@ class ConfigSync:
         view = self.view
         with self._wake:
             self._generation += 1
-        try:
-            cfg = self.config()
-        except ValueError as exc:
-            view.estimate_html.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
-            view.run_button.disabled = True
+        text, cfg, e = readout(self.config)
+        view.estimate_html.value = text
+        view.run_button.disabled = cfg is None or self.running()
+        if cfg is None:
             return
-        e = estimate(cfg)
-        view.estimate_html.value = first_readout(e)
-        view.run_button.disabled = self.running()
         with self._wake:  # the peak takes a simulated step: on a thread, the latest config only
             self._wanted = (self._generation, cfg, e)
             self._wake.notify()
@@ -129,9 +121,32 @@ class ConfigSync:
         view.torchrun_text.layout.display = ""
 
 
-def first_readout(e):
-    """The read-out of estimate ``e`` while its peak is simulated (on the thread)."""
-    return _readout(e, "<i>simulating the step...</i>")
+def checkpoint_of(cfg, view, selective):
+    """The `CheckpointSetting` ``view``'s controls say: its blocks control's when ``selective``
+    (it was edited last, or the config named blocks), else its segments slider's (0: none)."""
+    if selective:
+        return cfg.setting(view.blocks.setting().value)
+    return cfg.setting(view.controls["segments"].value or None)
+
+
+def described(cfg, view, selective):
+    """The TrainConfig ``view``'s controls describe, the rest from ``cfg`` (raises ValueError
+    naming the field). A control shows a value within its range: a config's value outside it
+    (``micro_batch=100`` on a slider to 64) is the control's."""
+    v = {k: w.value for k, w in view.controls.items() if k != "segments"}
+    v.update({k: v[k] or None for k in ("bucket_cap_mb", "link_gbps")})  # 0: torch's/none
+    return cfg.replace(checkpoint=checkpoint_of(cfg, view, selective).plain, **v)
+
+
+def readout(describe):
+    """The read-out of the config ``describe()`` gives, before its peak is simulated (on the
+    thread): ``(html, config, estimate)``; a refused config gives its error and ``None, None``."""
+    try:
+        cfg = describe()
+    except ValueError as exc:
+        return f"<span style='color:#b00'>{html.escape(str(exc))}</span>", None, None
+    e = estimate(cfg)
+    return _readout(e, "<i>simulating the step...</i>"), cfg, e
 
 
 def _readout(e, peak_text):

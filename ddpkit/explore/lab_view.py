@@ -19,14 +19,15 @@ class LabView:
     """Every widget of a Lab for ``cfg``; ``widget`` is the whole dashboard. ``plots``: the
     `LivePlots` shown beside the controls; ``planner``: the planner box (`PlanPanel`)."""
 
-    def __init__(self, cfg, plots, planner, timeline=None, readout=""):
-        # every widget is made showing ``cfg`` (and ``readout``, the estimate's first read-out),
-        # so that its comm opens with its whole state: a page that asks the kernel for every
-        # widget's state while the cell runs can be handed a widget as it was when its comm
-        # opened, after the changes that followed (fit.py says when)
+    def __init__(self, cfg, plots, planner, timeline=None, readout=None):
+        # every widget is made showing ``cfg``, and the read-out what ``readout(view)`` says of
+        # the controls (`lab_config.readout`), so that its comm opens with its whole state: a
+        # page that asks the kernel for every widget's state while the cell runs can be handed
+        # a widget as it was when its comm opened, after the changes that followed (fit.py)
         self.plots, self.planner, self.timeline = plots, planner, timeline
         self._build_controls(cfg)
-        self._build_run_widgets(cfg, readout)
+        text, ok = ("", True) if readout is None else readout(self)
+        self._build_run_widgets(cfg, text, ok)
         self._lay_out()
 
     def _build_controls(self, c):
@@ -63,11 +64,12 @@ class LabView:
                                     for s in c.info.stacks], c.checkpointing)
         self.block_toggles = self.blocks.toggles
 
-    def _build_run_widgets(self, cfg, readout):
+    def _build_run_widgets(self, cfg, readout, ok):
         """Buttons, progress, the estimate read-out, error banner, rank output, history."""
         self.smooth = W.Checkbox(bool(self.plots.ema), description="smoothed loss (EMA)",
                                  indent=False, disabled=not self.plots.ema)
-        self.run_button = W.Button(description="Run", button_style="success", icon="play")
+        self.run_button = W.Button(description="Run", button_style="success", icon="play",
+                                   disabled=not ok)
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop",
                                     disabled=True)
         self.torchrun_button = W.Button(description="copy as torchrun command", icon="terminal",

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from ..config import TrainConfig
 from .estimate import activation_bytes
-from .estimate import estimate
-from .lab_config import ConfigSync, first_readout
+from .lab_config import ConfigSync, described, readout
 from .lab_follow import RunFollower
 from .lab_runs import LabRunner
 from .lab_view import LabView
@@ -53,9 +52,8 @@ class Lab:
         self.timeline = LiveTimeline(self.cfg.world_size, max_hz=1.0)  # [timeline] swimlanes
         # a budget or a GPU in: the block toggles set to the plan, through this Lab's `set`
         self.planner = PlanPanel(self)
-        # the read-out the controls will ask for, made first: each widget opens whole
-        readout = first_readout(estimate(self.cfg))
-        self.view = LabView(self.cfg, self.plots, self.planner, self.timeline, readout)
+        self.view = LabView(self.cfg, self.plots, self.planner, self.timeline,
+                            readout=self._first_readout)
         self.sync = ConfigSync(self.view, self.cfg, lambda: self.running,
                                lambda **kw: self._handle.send_control(**kw))
         self.runner = LabRunner(self.view)
@@ -70,6 +68,13 @@ class Lab:
         self._wire()
         self.sync.read_config(self.cfg)
         self.sync.update_estimate()
+
+    def _first_readout(self, view):
+        """What the read-out says of ``view``'s controls as they are made (the view shows it
+        from the start: its comm opens whole), and whether Run may start."""
+        selective = isinstance(self.cfg.checkpoint, (list, str))  # as ConfigSync starts
+        text, cfg, _ = readout(lambda: described(self.cfg, view, selective))
+        return text, cfg is not None
 
     def _wire(self):
         v = self.view
