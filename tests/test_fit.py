@@ -73,3 +73,29 @@ def test_a_figure_opens_its_comm_with_all_of_it(opening):
     fig.add_scatter(x=[0], y=[1.0], name="rank 1")
     assert [m["state"].get("_py2js_addTraces", {}) for m in updates
             if "_py2js_addTraces" in m["state"]][0]["trace_data"][0]["name"] == "rank 1"
+
+
+def test_what_a_page_is_handed_is_the_figure_as_it_is_now(opening):
+    """A page that connects or reloads mid-run asks for every widget's state. Plotly keeps a
+    figure's as it was made, so a late answer undid a figure's changes on the page (a swimlane
+    figure drawn after one showed no bars). Each change still goes to the page as plotly's own
+    message, and the state follows it without a message of its own."""
+    fig = fit.figure(dict(title=dict(text="step -: what each rank did")))
+    updates, send = [], fig._send
+    fig._send = lambda msg, buffers=None: (updates.append(msg), send(msg, buffers))
+    with fig.batch_update():
+        fig.add_bar(x=[1.0, 2.0], y=["rank 0", "rank 1"], name="forward")
+        fig.layout.title.text = "step 40: what each rank did"
+    fig.add_bar(x=[3.0], y=["rank 0"], name="backward")
+    fig.data[0].x = [1.5, 2.5]
+    state = fig.get_state()  # what ipywidgets hands a page that asks
+    assert state["_widget_layout"]["title"]["text"] == "step 40: what each rank did"
+    assert [(t["name"], list(t["x"])) for t in state["_widget_data"]] == [
+        ("forward", [1.5, 2.5]), ("backward", [3.0])]
+    assert updates and not any(k.startswith("_widget_") for m in updates for k in m["state"])
+    fig.data = [fig.data[1]]
+    assert [t["name"] for t in fig.get_state()["_widget_data"]] == ["backward"]
+    # a plain FigureWidget hands over the figure as it was made
+    plain = go.FigureWidget(layout=dict(title=dict(text="made")))
+    plain.layout.title.text = "changed"
+    assert plain.get_state()["_widget_layout"]["title"]["text"] == "made"

@@ -27,10 +27,11 @@ a widget's comm messages on a subshell of the kernel, so when a page (re)connect
 kernel answers its ``request_states`` on another thread while the cell still runs. That
 snapshot can hold a figure half made: layout ``{}``, no config. The page applies it after the
 figure's own later messages, and draws a blank plot, 700 px wide and never fitted. This is
-seen in `tests/browser`; ``bench/widget_race.py`` catches such a snapshot in a kernel. (A
-snapshot still holds each figure as it was opened: plotly never updates ``_widget_layout`` or
-``_widget_data`` after that, so a page that reconnects mid-run draws the figures as they
-opened, and the live points from then on.)
+seen in `tests/browser`; ``bench/widget_race.py`` catches such a snapshot in a kernel.
+Plotly keeps that state (``_widget_layout``, ``_widget_data``) as the figure was made, and so a
+late snapshot undid a figure's changes: a swimlane figure drawn after one showed no bars. Here
+it follows each change the figure sends (the live points the feeder draws are written into the
+figure when a run ends, `LivePlots.sync`).
 """
 from __future__ import annotations
 
@@ -108,6 +109,23 @@ def _figure_class():
             def open(self):
                 if not self._held:
                     super().open()
+
+            def send_state(self, key=None):
+                super().send_state(key)
+                # plotly keeps the state a page is handed (a page that connects or reloads
+                # mid-run asks for every widget's) as the figure was made; each change goes as
+                # a message of its own (``_py2js_*``, set then reset to None). Once one is sent,
+                # that state is the figure as it is now, set without sending (the page had the
+                # message), on the thread that changed the figure, and replaced, never edited
+                if isinstance(key, str) and key.startswith("_py2js_") and \
+                        getattr(self, key) is None:
+                    try:
+                        layout = copy.deepcopy(self._layout_obj._props)
+                        data = copy.deepcopy(self._data)
+                    except RuntimeError:  # changed by another thread meanwhile: its own
+                        return  # message takes the figure as it is then
+                    self._trait_values["_widget_layout"] = layout
+                    self._trait_values["_widget_data"] = data
 
             def _repr_mimebundle_(self, *args, **kwargs):
                 if self._held:
