@@ -391,6 +391,11 @@ def test_lab_in_a_real_browser(jupyter):
             "the timing plot stopped gaining points"
         assert len(set(acts_before)) == 1, acts_before  # constant before the change
         assert min(acts_after) < acts_before[0], (acts_before[:3], acts_after[-3:])
+        # the swimlanes show a probed step of this run (every 50th: step 49 first; the run's
+        # start drew them empty) before Stop: on two busy cores the marks above can come
+        # sooner than 50 steps, and then a Stop would leave the lanes rightly empty
+        page.wait_for_function(f"() => {{ const s = ({SWIMLANES})(); return !s.missing &&"
+                               " s.bars > 20 && !s.title.startsWith('step -'); }", timeout=90_000)
         # Stop ends the run and the plots keep what it drew (the marks included); the layout
         # is then checked on a still page: a screenshot waits for a settled frame, and on two
         # busy cores a plot redrawn every 0.1 s may not give one within its timeout
