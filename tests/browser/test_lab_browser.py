@@ -124,8 +124,10 @@ FIT = """(i) => {
   const lab = """ + LABS + """[i];
   const bad = [], vw = document.documentElement.clientWidth, labBox = lab.getBoundingClientRect();
   for (const gd of lab.querySelectorAll('.js-plotly-plot')) {
+    // drawn width: plotly's own (the svg's width attribute): in a cell the page skips
+    // (content-visibility) the svg's box can lag behind what plotly drew until it is shown
     const r = gd.getBoundingClientRect(), svg = gd.querySelector('.main-svg');
-    const w = svg ? svg.getBoundingClientRect().width : 0;
+    const w = svg ? parseFloat(svg.getAttribute('width')) : 0;
     if (r.width < 300) bad.push(['plot too narrow', r.width]);
     if (r.right > vw + 0.5) bad.push(['plot past the window', r.right, vw]);
     if (r.right > labBox.right + 0.5) bad.push(['plot past the lab', r.right, labBox.right]);
@@ -191,8 +193,8 @@ PLOTS = 6
 # (or of lab i only)
 REDRAWN = """(i) => Array.from((i === null ? window.jupyterapp.shell.currentWidget.node :
     """ + LABS + """[i]).querySelectorAll('.js-plotly-plot')).every(gd => {
-    const svg = gd.querySelector('.main-svg');
-    const w = svg && svg.getBoundingClientRect().width, box = gd.getBoundingClientRect().width;
+    const svg = gd.querySelector('.main-svg');  // plotly's drawn width, as FIT reads it
+    const w = svg && parseFloat(svg.getAttribute('width')), box = gd.getBoundingClientRect().width;
     return svg && w <= box + 0.5 && w >= box - 1.5; })"""
 
 
