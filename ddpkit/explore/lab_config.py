@@ -18,7 +18,7 @@ class ConfigSync:
     def __init__(self, view, cfg, running, send):
         self.view, self.cfg, self.running, self.send = view, cfg, running, send
         self._syncing = False
-        self._selective = isinstance(cfg.checkpoint, (list, str))  # blocks named: theirs
+        self._selective = names_blocks(cfg)  # the blocks control's setting, or the slider's
         self._wanted = None  # (generation, config, estimate) whose peak the read-out shows
         self._generation = 0  # one more per read-out: a late peak of an older one is dropped
         self._wake = threading.Condition()
@@ -28,10 +28,9 @@ class ConfigSync:
         """Set the controls from a config (without sending anything mid-run)."""
         self._syncing = True
         try:
-            setting = cfg.checkpoint
-            self.view.controls["segments"].value = setting if isinstance(setting, int) else 0
+            self.view.controls["segments"].value = segments_of(cfg)
             self.view.blocks.show(cfg.checkpointing)
-            self._selective = isinstance(setting, (list, str))
+            self._selective = names_blocks(cfg)
         finally:
             self._syncing = False
 
@@ -119,6 +118,18 @@ class ConfigSync:
         except ValueError as exc:  # a notebook-defined model has no import path
             view.torchrun_text.value = str(exc)
         view.torchrun_text.layout.display = ""
+
+
+def segments_of(cfg):
+    """The segments slider's value for ``cfg``'s checkpoint: its segments, else 0 (none, or
+    blocks named, which the blocks control shows)."""
+    return cfg.checkpoint if isinstance(cfg.checkpoint, int) else 0
+
+
+def names_blocks(cfg):
+    """Does ``cfg``'s checkpoint name blocks (a mask or a pattern)? Then the blocks control's
+    setting is the Lab's, not the segments slider's."""
+    return isinstance(cfg.checkpoint, (list, str))
 
 
 def checkpoint_of(cfg, view, selective):

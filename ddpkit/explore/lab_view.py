@@ -8,6 +8,7 @@ import ipywidgets as W
 from ..config import PRECISIONS
 from ..engine.blocks import block_names
 from .lab_blocks import BlockControl
+from .lab_config import segments_of
 from .timeline import timeline_controls
 
 FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"
@@ -40,9 +41,8 @@ class LabView:
         self.controls = {
             "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style,
                                       layout=full()),
-            "segments": W.IntSlider(c.checkpoint if isinstance(c.checkpoint, int) else 0, 0,
-                                    shortest, description="ckpt segments", style=style,
-                                    layout=full(),
+            "segments": W.IntSlider(segments_of(c), 0, shortest, description="ckpt segments",
+                                    style=style, layout=full(),
                                     tooltip="0 = off; s = checkpoint_sequential segments in each "
                                             "stack (the last segment is never checkpointed)"),
             "use_reentrant": W.Checkbox(c.use_reentrant, description="use_reentrant",

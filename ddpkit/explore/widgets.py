@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..config import TrainConfig
 from .estimate import activation_bytes
-from .lab_config import ConfigSync, described, readout
+from .lab_config import ConfigSync, described, names_blocks, readout
 from .lab_follow import RunFollower
 from .lab_runs import LabRunner
 from .lab_view import LabView
@@ -66,14 +66,12 @@ class Lab:
         self.estimate_html, self.banner, self.traceback = v.estimate_html, v.banner, v.traceback
         self.output = v.output
         self._wire()
-        self.sync.read_config(self.cfg)
-        self.sync.update_estimate()
+        self.sync.update_estimate()  # the same read-out the view was made with; starts its peak
 
     def _first_readout(self, view):
         """What the read-out says of ``view``'s controls as they are made (the view shows it
         from the start: its comm opens whole), and whether Run may start."""
-        selective = isinstance(self.cfg.checkpoint, (list, str))  # as ConfigSync starts
-        text, cfg, _ = readout(lambda: described(self.cfg, view, selective))
+        text, cfg, _ = readout(lambda: described(self.cfg, view, names_blocks(self.cfg)))
         return text, cfg is not None
 
     def _wire(self):
