@@ -119,13 +119,18 @@ def _figure_class():
                 # message), on the thread that changed the figure, and replaced, never edited
                 if isinstance(key, str) and key.startswith("_py2js_") and \
                         getattr(self, key) is None:
-                    try:
-                        layout = copy.deepcopy(self._layout_obj._props)
-                        data = copy.deepcopy(self._data)
-                    except RuntimeError:  # changed by another thread meanwhile: its own
-                        return  # message takes the figure as it is then
-                    self._trait_values["_widget_layout"] = layout
-                    self._trait_values["_widget_data"] = data
+                    self._keep_state()
+
+            def _keep_state(self):
+                """The state a page is handed (``_widget_layout``, ``_widget_data``): the
+                figure as it is now, set without a message, replaced and never edited."""
+                try:
+                    layout = copy.deepcopy(self._layout_obj._props)
+                    data = copy.deepcopy(self._data)
+                except RuntimeError:  # changed by another thread meanwhile: its own message
+                    return  # takes the figure as it is then
+                self._trait_values["_widget_layout"] = layout
+                self._trait_values["_widget_data"] = data
 
             def _repr_mimebundle_(self, *args, **kwargs):
                 if self._held:
@@ -152,9 +157,7 @@ def opened(fig, classes=()):
         _fitter = _Fitter()
     fig._config = {"responsive": True, "displaylogo": False}
     fig._dom_classes = tuple(classes)
-    # what plotly's own __init__ sends (after its comm opened): the figure as it is now
-    fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
-    fig._widget_data = copy.deepcopy(fig._data)
+    fig._keep_state()  # what plotly's own __init__ sends after its comm opened: as it is now
     fig._held = False
     fig.open()
     return fig
