@@ -101,3 +101,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "breadth" in item.keywords and item.get_closest_marker("breadth") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def opening():
+    """The state each widget comm opened in this test carried in its opening message, by comm
+    id (a copy: what the page was sent, whatever the widget does after)."""
+    import copy
+
+    import comm
+
+    states, create = {}, comm.create_comm
+
+    def create_comm(**kw):
+        c = create(**kw)
+        states[c.comm_id] = copy.deepcopy(kw["data"]["state"])
+        return c
+
+    comm.create_comm = create_comm
+    try:
+        yield states
+    finally:
+        comm.create_comm = create

@@ -1,28 +1,9 @@
 """ddpkit's figures are responsive, so the page's fitter redraws them at their box's width (the
 page's side is tests/browser/test_lab_browser.py), the kernel always holds a live fitter, and a
 figure's comm opens with the whole figure in its opening message (fit.py says why)."""
-import comm
 import plotly.graph_objects as go
-import pytest
 
 from ddpkit.explore import fit
-
-
-@pytest.fixture
-def opening():
-    """The state each comm opened in this test carried in its opening message, by comm id."""
-    states, create = {}, comm.create_comm
-
-    def create_comm(**kw):
-        c = create(**kw)
-        states[c.comm_id] = kw["data"]["state"]
-        return c
-
-    comm.create_comm = create_comm
-    try:
-        yield states
-    finally:
-        comm.create_comm = create
 
 
 def test_a_figure_is_responsive_and_the_kernel_holds_one_live_fitter():

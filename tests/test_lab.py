@@ -394,7 +394,7 @@ def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
 
 @pytest.mark.parametrize("extra", [dict(checkpoint=2), dict(checkpoint=[True, False, True, False]),
                                    dict(checkpoint=[True, True, False, False], micro_batch=100)])
-def test_every_widget_of_a_lab_opens_with_its_whole_state(extra):
+def test_every_widget_of_a_lab_opens_with_its_whole_state(extra, opening):
     """JupyterLab 4.6 sends widget messages on a kernel subshell, so a page that (re)connects
     can be handed every widget's state as it was at any moment of the cell: a widget's later
     changes can be lost on the page. A figure, opened empty, then drew blank: no title, no
@@ -403,32 +403,25 @@ def test_every_widget_of_a_lab_opens_with_its_whole_state(extra):
     traces, config and classes; the toggles, the line above them and the read-out as the
     controls say, a micro batch of 100 shown as the slider's 64), and each live figure carries
     the key the page's feeder finds it by."""
-    import copy
     import threading
 
-    import comm
     import ipywidgets as W
     from ipywidgets.widgets.widget import _instances, _remove_buffers
 
-    opened, create = {}, comm.create_comm
+    opened = opening  # comm id -> the state its opening message carried
     sent, send = [], W.Widget._send
     main = threading.current_thread()
-
-    def create_comm(**kw):
-        c = create(**kw)
-        opened[c.comm_id] = copy.deepcopy(kw["data"]["state"])
-        return c
 
     def record(self, msg, buffers=None):  # what the main thread sends through an open comm
         if self.comm is not None and threading.current_thread() is main:
             sent.append((type(self).__name__, sorted(msg.get("state", {}))))
         return send(self, msg, buffers)
 
-    comm.create_comm, W.Widget._send = create_comm, record
+    W.Widget._send = record
     try:
         lab = ddpkit.Lab(ddpkit.TrainConfig(**{**CFG, **extra}))
     finally:
-        comm.create_comm, W.Widget._send = create, send
+        W.Widget._send = send
     with lab:
         assert sent == []
         # every widget the Lab made holds what it opened with (the read-out aside: its thread
