@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import html
 
+from ..runs.train import check_config, train
+from ..runtime.pool import shared_pool
+
 
 class LabRunner:
     """Starts the Lab's runs. ``view``: the `LabView` whose banner shows the doctor's findings."""
@@ -17,16 +20,12 @@ class LabRunner:
     def pool_for(self, cfg):
         """The shared warm pool of ``cfg.world_size`` ranks, started now if it is not up (so
         the doctor's look and the plots' reset overlap the ranks' start)."""
-        from ..runtime.pool import shared_pool
-
         self.pool = shared_pool(cfg.world_size, cfg.backend, cfg.device).warm()
         return self.pool
 
     def check(self, cfg):
         """The doctor on ``cfg``: what to act on goes to the yellow banner, notes (what ddpkit
         already did about something) to a quiet line under it; both cleared when there are none."""
-        from .api import check_config
-
         view = self.view
         view.banner.value, view.traceback.layout.display = "", "none"
         self.findings = check_config(cfg)
@@ -36,8 +35,6 @@ class LabRunner:
     def train(self, cfg, on_metric, on_output):
         """Start ``cfg`` on the shared pool `pool_for` brought up, live (mid-run changes), without
         blocking."""
-        from .api import train
-
         return train(cfg, pool=None, block=False, live=True, check=False,
                      on_metric=on_metric, on_output=on_output)
 

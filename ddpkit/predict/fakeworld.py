@@ -1,4 +1,4 @@
-"""The world a simulated rank runs in (`ddpkit.explore.peak`): torch's ``FakeProcessGroup`` as
+"""The world a simulated rank runs in (`ddpkit.predict.simulate`): torch's ``FakeProcessGroup`` as
 the default group, and the few places where the rank's own code cannot run on fake tensors or a
 fake group, each adjusted here with why the bytes stay the same.
 

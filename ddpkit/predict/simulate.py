@@ -1,4 +1,4 @@
-"""The step's peak, predicted: the rank's own step run once more in the kernel, on fake tensors.
+"""One rank's step, simulated: the rank's own code run once more in the kernel, on fake tensors.
 
 `simulate(cfg, rank)` builds the config's model under ``FakeTensorMode`` (nothing allocated),
 makes torch's ``FakeProcessGroup`` the default group for rank ``rank`` of ``cfg.world_size``
@@ -36,10 +36,12 @@ import types
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ..devices import resolve_devices
 from ..engine import empty, memory, rng, strategies
 from ..engine.memory import optimizer_tensors, storages
 from ..engine.probes import ActivationProbe
@@ -47,7 +49,7 @@ from ..engine.blocks import resolve_blocks
 from ..engine.policies import CheckpointSetting
 from ..engine.spec import describe_spec, fake_model
 from ..engine.step import train_step, zero_grad
-from . import scale
+from .trace import as_real_for_transformers, example_batch, on_device, run_target
 from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
                         watch_storage_resizes)
 
@@ -188,12 +190,6 @@ def _new_objects_only():
 
 
 def _simulate(cfg, rank, steps, keep, thaw):
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-
-    from ..devices import resolve_devices
-
-    from .trace import as_real_for_transformers, example_batch, on_device, run_target
-
     _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     cuda = device == "cuda"
     target = run_target(cfg) if cuda else None
@@ -373,70 +369,3 @@ def _segments(events, totals, points, ledger):
         if segment is not None and total > best.get(segment, (-1,))[0]:
             best[segment] = (total, i)
     return {name: (total, ledger.at(i)) for name, (total, i) in best.items()}
-
-
-# ----------------------------------------------------------------------------- memoised answers
-_MEMO, _MEMO_LOCK = {}, threading.Lock()
-_RUNNING = {}  # key -> threading.Event: a simulation under way, set when it ends
-_NOT_MEMORY = ("steps", "lr", "warmup_steps", "seed", "measure", "save_every", "save_dir",
-               "peak_every", "stall_timeout_s")
-
-
-def _key(cfg, rank):
-    d = cfg.to_dict()
-    return rank, tuple((k, v if isinstance(v, (str, int, float, bool, type(None))) else
-                        (id(v) if callable(v) else repr(v)))
-                       for k, v in d.items() if k not in _NOT_MEMORY)
-
-
-def simulated(cfg, rank):
-    """`simulate(cfg, rank)`, memoised per memory-relevant setting (the Lab and `plan` ask the
-    same question often). One simulation per setting at a time: a thread that asks while
-    another simulates the same (the Lab's read-out and a cell's ``estimate(cfg).peak()``)
-    waits for its answer instead of simulating it again."""
-    if cfg.strategy == "ddp" and cfg.optimizer != "zero1" and rank:
-        # plain DDP: every rank runs the same step on a batch of the same shapes (the template
-        # is the rank's first batch, whatever the rank), so rank 0's simulation is every rank's
-        return dataclasses.replace(simulated(cfg, 0), rank=rank)
-    key = _key(cfg, rank)
-    while True:
-        with _MEMO_LOCK:
-            hit = _MEMO.get(key)
-            if hit is not None and hit[0].model is cfg.model and hit[0].data is cfg.data:
-                return hit[1]
-            running = _RUNNING.get(key)
-            if running is None:
-                running = _RUNNING[key] = threading.Event()
-                break
-        running.wait()  # then the memo has it (or it failed: this thread simulates itself)
-    try:
-        sim = scale.scaled(simulate, cfg, rank) if scale.scalable(cfg) else simulate(cfg, rank)
-        with _MEMO_LOCK:
-            if len(_MEMO) > 64:
-                _MEMO.clear()
-            _MEMO[key] = (cfg, sim)
-        return sim
-    finally:
-        with _MEMO_LOCK:
-            del _RUNNING[key]
-        running.set()
-
-
-def predicted_peak(cfg, step=None, rank=None):
-    """The predicted `Peak` of ``cfg``'s step ``step`` (0: the optimizer state is made; 1 or
-    'steady': every step after; None: the higher) on rank ``rank`` (None: the heaviest: the
-    rank whose optimizer updates the most parameters, rank 0 on a tie)."""
-    if step not in (None, 0, 1, "steady"):
-        raise ValueError(f"peak(step={step!r}): pass 0 (the first step, which makes the "
-                         f"optimizer state), 1 or 'steady' (every step after), or None (the higher)")
-    if rank is not None and not (isinstance(rank, int) and 0 <= rank < cfg.world_size):
-        raise ValueError(f"peak(rank={rank!r}): pass a rank in 0..{cfg.world_size - 1} or None "
-                         f"(the heaviest)")
-    sim = simulated(cfg, 0 if rank is None else rank)
-    if rank is None:
-        heaviest = max(range(cfg.world_size), key=lambda r: (sim.loads[r], -r))
-        if heaviest != 0:
-            sim = simulated(cfg, heaviest)
-    if step is None:
-        return max(sim.peaks, key=lambda p: p.bytes)
-    return sim.peaks[0 if step == 0 else 1]

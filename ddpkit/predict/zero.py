@@ -104,39 +104,3 @@ def zero_table(results):
                      "comm_bytes": last["comm_bytes"], "comm_bytes_rule": comm,
                      "comm_by_op": last["comm_by_op"]})
     return pd.DataFrame(rows)
-
-
-def comm_figure(runs):
-    """Bytes each rank sent per step, by collective, one stacked bar per run: a `ddpkit.sweep`
-    DataFrame (its ``comm_by_op`` column) or a list of `TrainResult`s (rank 0's last step).
-    Where the paper's rule covers a run's config, a marker shows it."""
-    import plotly.graph_objects as go
-
-    from .units import byte_unit
-
-    if hasattr(runs, "columns"):  # a sweep's table
-        results = list(runs["result"])
-        grid = [c for c in runs.columns if c not in ("result",) and c in results[0].config.to_dict()]
-        labels = [", ".join(f"{c}={runs[c][i]}" for c in grid) or f"run {i}"
-                  for i in range(len(runs))]
-    else:
-        results = list(runs)
-        labels = [f"{r.config.strategy} x{r.config.world_size}" for r in results]
-    by_op = [[m for m in r.metrics if m["rank"] == 0][-1].get("comm_by_op", {}) for r in results]
-    unit, size = byte_unit(max([sum(b.values()) for b in by_op] + [1]))
-    fig = go.Figure()
-    for op in sorted({op for b in by_op for op in b}):
-        fig.add_bar(x=labels, y=[b.get(op, 0) / size for b in by_op], name=op)
-    rules = []
-    for r in results:
-        try:
-            rules.append(sum(comm_volume(r.config).values()) / size)
-        except ValueError:
-            rules.append(None)
-    if any(v is not None for v in rules):
-        fig.add_scatter(x=labels, y=rules, mode="markers", name="ZeRO paper's rule",
-                        marker=dict(symbol="line-ew-open", size=30, color="black",
-                                    line=dict(width=3)))
-    fig.update_layout(barmode="stack", title="sent per rank per step, every collective",
-                      yaxis_title=unit, height=380, margin=dict(l=60, r=20, t=50, b=60))
-    return fig

@@ -7,8 +7,8 @@ import ipywidgets as W
 
 from ..config import PRECISIONS
 from ..engine.blocks import block_names
-from .lab_blocks import BlockControl
-from .lab_config import segments_of
+from .blocks import BlockControl
+from .controls import segments_of
 from .timeline import timeline_controls
 
 FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"

@@ -7,8 +7,9 @@ import html
 
 import ipywidgets as W
 
-from .plan import GPUS, parse_bytes, plan
-from .units import MIB
+from ..predict.gpus import GPUS, parse_bytes
+from ..predict.plan import plan
+from ..predict.units import MIB
 
 NO_GPU = "(budget)"
 

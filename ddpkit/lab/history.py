@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import html
 
-from .units import fmt_bytes
+from ..predict.units import fmt_bytes
+from ..runs.result import summarize
 
 COLUMNS = [("run", "run"), ("status", "status"), ("steps_done", "steps"),
            ("final_loss", "final loss"), ("peak_bytes", "peak"),
@@ -15,8 +16,6 @@ COLUMNS = [("run", "run"), ("status", "status"), ("steps_done", "steps"),
 
 def history_row(index, cfg, handle, metrics, wall_s):
     """One finished run as a history row: ``handle`` its `RunHandle`, ``metrics`` its records."""
-    from .api import summarize
-
     error = handle.error
     status = "error" if error else ("stopped" if handle.result and handle.result.stopped else "ok")
     m0 = [m for m in metrics if m["rank"] == 0]

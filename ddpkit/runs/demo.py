@@ -8,7 +8,8 @@ import time
 
 from ..config import TrainConfig
 from ..engine.saving import atomic_write_bytes
-from .units import byte_unit, fmt_bytes
+from ..predict.units import byte_unit, fmt_bytes
+from .sweep import sweep
 
 DEMO = dict(model="gpt", n_blocks=8, width=64, seq_len=32, world_size=2, micro_batch=4,
             accum_steps=2, optimizer="adamw", lr=3e-3)
@@ -153,8 +154,6 @@ def summary_text(df):
 def demo(out="ddpkit-report.html", steps=DEMO_STEPS, segments=SEGMENTS, progress=True,
          **overrides):
     """Run the demo sweep, print its table, write the HTML report; returns the DataFrame."""
-    from .api import sweep
-
     cfg = TrainConfig(**{**DEMO, "steps": steps, **overrides})
     print(f"ddpkit demo: {cfg.model}, {cfg.n_blocks} blocks, width {cfg.width}, "
           f"{cfg.world_size} ranks ({cfg.backend or 'auto'}), micro_batch {cfg.micro_batch} x "

@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .. import devices
+
 KERNELS = ("cudnn", "flash", "efficient", "math")  # CUDA's SDPA kernels, torch's names
 DEFAULT_ORDER = ("flash", "efficient", "math", "cudnn")  # torch._C._get_sdp_priority_order()
 HALF = (torch.float16, torch.bfloat16)
@@ -358,9 +360,7 @@ class _StandIn(torch.autograd.Function):
 def run_target(world_size, backend=None, device=None):
     """The GPU rank 0 of such a run computes attention on (a `CudaTarget`), or None when its
     ranks run on CPU. Under torchrun or srun, the choice of this machine's own ranks."""
-    from ..devices import cuda_gpus, local_world_size, resolve_devices, under_torchrun
-
-    here = local_world_size(world_size) if under_torchrun() else world_size
-    if resolve_devices(here, backend, device)[1] != "cuda":
+    here = devices.local_world_size(world_size) if devices.under_torchrun() else world_size
+    if devices.resolve_devices(here, backend, device)[1] != "cuda":
         return None
-    return CudaTarget.of_gpu(cuda_gpus()[0])
+    return CudaTarget.of_gpu(devices.cuda_gpus()[0])

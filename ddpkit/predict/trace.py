@@ -27,18 +27,24 @@ import threading
 
 import torch
 import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..engine import rng, strategies
+from ..engine.blocks import block_names, find_stacks
+from ..engine.data import first_batch, make_dataset
+from ..engine.empty import stage
 from ..engine.policies import CheckpointSetting
+from ..engine.probes import ActivationProbe, storage
+from ..engine.spec import compute_loss, describe_spec, fake_model
+from ..engine.step import autocast_for
 from . import attention
-from .scale import SCALE_ABOVE
 
+SCALE_ABOVE = 300_000_000
+"""Parameters above which a model is traced cut to `TRACED_BLOCKS` blocks and a simulated step
+is scaled from 3 and 4 blocks (`scale`)."""
 TRACED_BLOCKS = 3
 """Blocks a large model is traced with (the first, one middle, the last)."""
-def _probe():
-    from ..engine.probes import ActivationProbe
-
-    return ActivationProbe()
 
 
 class Traced:
@@ -46,11 +52,6 @@ class Traced:
     ``keep=None`` the whole model, ``keep=k`` its first k blocks, its figures carried to all."""
 
     def __init__(self, cfg, keep=None):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        from ..engine.blocks import block_names, find_stacks
-        from ..engine.spec import fake_model
-
         self.cfg, self.keep, self.n = cfg, keep, cfg.n_blocks
         self.target = run_target(cfg)  # a CUDA run: attention keeps what its CUDA kernel keeps
         self.mode = FakeTensorMode()
@@ -74,9 +75,6 @@ class Traced:
 
     def stage(self, name):
         """A failure in this stage of the trace becomes a `TraceError` naming it."""
-        from ..engine.empty import stage
-        from ..engine.spec import describe_spec
-
         return stage(name, f"TrainConfig.model={describe_spec(self.cfg.model)}, built by "
                            f"{self.how}")
 
@@ -91,10 +89,6 @@ class Traced:
     def forward_bytes(self, setting, probe=None):
         """Activation bytes one forward saves under ``setting`` (a `CheckpointSetting`,
         memoised per setting)."""
-        from ..engine.probes import ActivationProbe
-        from ..engine.spec import compute_loss
-        from ..engine.step import autocast_for
-
         key = (str(setting), setting.n_blocks)
         if probe is None and key in self.memo:
             return self.memo[key]
@@ -129,10 +123,6 @@ class Traced:
 
     def _counted_flops(self, setting):
         """(total FLOPs, {module name: FLOPs}) of forward and backward, counted."""
-        from torch.utils.flop_counter import FlopCounterMode
-
-        from ..engine.spec import compute_loss
-
         with self.lock:
             with self.stage("installing the checkpoint policy"):
                 self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
@@ -143,10 +133,6 @@ class Traced:
                                            counter.get_flop_counts().items()}
 
     def _per_block(self):
-        from torch.utils.flop_counter import FlopCounterMode
-
-        from ..engine.probes import ActivationProbe, storage
-
         probe, inputs = ActivationProbe(), {}
 
         def enter(i, module, args, kwargs):
@@ -199,8 +185,8 @@ class Traced:
         # plain held) with block 0 checkpointed too
         tail = CheckpointSetting([False] + [True] * (k - 1), k)
         full = CheckpointSetting("full", k)
-        self.regions_hold = self.forward_bytes(tail, _probe()) - self._carried_bytes(tail, k)
-        self.first_holds = (self.forward_bytes(full, _probe()) - self._carried_bytes(full, k)
+        self.regions_hold = self.forward_bytes(tail, ActivationProbe()) - self._carried_bytes(tail, k)
+        self.first_holds = (self.forward_bytes(full, ActivationProbe()) - self._carried_bytes(full, k)
                             - self.regions_hold)
         self.block_keeps = [self.block_keeps[j] for j in of]
         self.block_boundary = [self.block_boundary[j] for j in of]
@@ -247,8 +233,6 @@ def as_real_for_transformers(batch):
         yield
         return
     real = {n: getattr(masking, n) for n in names}
-    from torch._subclasses.fake_tensor import is_fake
-
     def unpadded(mask):  # no mask, or one the model made without the batch's data: all ones
         return mask is None or is_fake(mask)
 
@@ -294,8 +278,6 @@ _BATCHES_LOCK = threading.Lock()  # its own: `traced` builds a Traced (which ask
 def example_batch(cfg):
     """One micro-batch of ``cfg``'s data, as the ranks collate it (kept: a long synthetic
     sequence takes a while to make, and the estimate and the simulation both want one)."""
-    from ..engine.data import first_batch, make_dataset
-
     key = _trace_key(cfg)
     with _BATCHES_LOCK:
         hit = _BATCHES.get(key)

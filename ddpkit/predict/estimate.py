@@ -1,7 +1,7 @@
 """Predicted bytes per rank, before any rank starts: from first principles for the built-in
 models, and for any other model by tracing one forward under torch's ``FakeTensorMode``.
 
-**Your model** (`ddpkit.explore.trace`): one micro-batch traced under ``FakeTensorMode`` with
+**Your model** (`ddpkit.predict.trace`): one micro-batch traced under ``FakeTensorMode`` with
 the checkpoint policy the ranks install and the `ActivationProbe` they measure with, so the
 prediction equals the measurement; per block (`Estimate.blocks`) what each keeps plain, what
 its input costs checkpointed, and its forward FLOPs. A large model is traced cut to 3 blocks
@@ -38,8 +38,12 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from ..config import TrainConfig
 from ..engine.policies import CheckpointSetting
+from ..engine.strategies import mixed_dtype
 from . import attention
+from .fits import fits, largest_micro_batch
+from .peak import predicted_peak
 from .trace import (as_real_for_transformers, as_setting, on_device,  # noqa: F401 (the API)
                     run_target, trace_activations, traced, traced_flops)
 from .units import human_bytes
@@ -79,24 +83,18 @@ class Estimate:
     def peak(self, step=None, rank=None):
         """The step's predicted peak per rank, a `ddpkit.engine.memory.Peak` (``bytes``,
         ``phase``, ``ledger``: bytes by kind at that moment), from the rank's own step simulated
-        on fake tensors (`ddpkit.explore.peak`). ``step``: 0 (the optimizer state is made), 1
+        on fake tensors (`ddpkit.predict.peak`). ``step``: 0 (the optimizer state is made), 1
         or 'steady' (every step after: DDP's rebuild of its buckets at step 1 frees as much as it
         allocates), None: the higher. ``rank``: None is the heaviest rank."""
-        from .peak import predicted_peak
-
         return predicted_peak(self.config, step, rank)
 
     def fits(self, gpu):
         """`plan.Fit` (truthy if it fits) of the step's peak on a GPU name ('T4', 'A100-80GB',
-        'H100': see `ddpkit.explore.plan.GPUS`) or a byte count, with this config's setting."""
-        from .plan import fits
-
+        'H100': see `ddpkit.predict.gpus.GPUS`) or a byte count, with this config's setting."""
         return fits(self.config, gpu)
 
     def largest_micro_batch(self, gpu):
         """The largest micro-batch with which this config fits ``gpu`` (0: none)."""
-        from .plan import largest_micro_batch
-
         return largest_micro_batch(self.config, gpu)
 
     def blocks_table(self):
@@ -194,8 +192,6 @@ def _by_formula(cfg):
     """Does the first-principles formula cover cfg? The built-in models, unless CUDA would run
     the GPT's attention on its math kernel, or FSDP's mixed precision computes in bf16/fp16
     (traced instead)."""
-    from ..engine.strategies import mixed_dtype
-
     return cfg.builtin and mixed_dtype(cfg) is None and \
         (cfg.model == "mlp" or _attention_bytes(cfg) is not None)
 
@@ -227,8 +223,6 @@ def estimate(cfg) -> Estimate:
     few bytes: a 1-row weight lives whole on rank 0; they add up to exactly one copy).
     Activations: first principles for the built-in models, a FakeTensorMode trace for yours.
     """
-    from ..config import TrainConfig
-
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"estimate() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
                         f"build one with ddpkit.TrainConfig(model=..., ...)")

@@ -7,8 +7,8 @@ import html
 import threading
 
 from . import background
-from .estimate import estimate
-from .units import fmt_bytes
+from ..predict.estimate import estimate
+from ..predict.units import fmt_bytes
 
 
 class ConfigSync:

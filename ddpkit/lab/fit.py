@@ -134,7 +134,7 @@ def _figure_class():
 
             def _repr_mimebundle_(self, *args, **kwargs):
                 if self._held:
-                    raise RuntimeError("this figure is held (ddpkit.explore.fit.held): nothing "
+                    raise RuntimeError("this figure is held (ddpkit.lab.fit.held): nothing "
                                        "is sent until fit.opened(fig); call that first")
                 return super()._repr_mimebundle_(*args, **kwargs)
 

@@ -8,7 +8,7 @@ import threading
 import time
 
 from ..errors import RankError, RankStalled
-from .lab_history import history_html, history_row
+from .history import history_html, history_row
 
 
 class RunFollower:

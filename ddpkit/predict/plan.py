@@ -1,7 +1,7 @@
 """`plan`: which blocks to checkpoint so one rank's step fits a memory budget at the least
-recompute; `fits` and `largest_micro_batch`: will a config fit a named GPU.
+recompute (`fits` and `largest_micro_batch`, in `fits.py`: will a config fit a named GPU).
 
-Every answer is about the step's **peak** per rank (`ddpkit.explore.peak`: the rank's own step
+Every answer is about the step's **peak** per rank (`ddpkit.predict.peak`: the rank's own step
 simulated on fake tensors; every live byte at the highest moment of forward, backward and
 optimizer step, DDP's buckets included), never about a sum of parts.
 
@@ -41,38 +41,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from ..engine.memory import TIE
+from ..config import TrainConfig
 from ..engine import strategies
+from ..engine.memory import TIE
 from ..engine.policies import CheckpointSetting
-from .gpus import (ALLOCATOR_RESERVE, CUDA_CONTEXT, GPUS, budget_bytes, gpu_name,  # noqa: F401
-                   parse_bytes, usable_bytes)
+from .estimate import estimate, traced_flops
+from .gpus import budget_bytes
+from .peak import predicted_peak
 from .units import fmt_bytes
-
-@dataclass
-class Fit:
-    """Does a config fit? Truthy when it does. ``peak``: the predicted step peak per rank (a
-    `Peak`: bytes, phase, ledger); ``usable``: the bytes the card leaves a step."""
-    peak: object
-    usable: int
-    where: str
-
-    @property
-    def predicted(self):
-        return self.peak.bytes
-
-    def __bool__(self):
-        return self.predicted <= self.usable
-
-    @property
-    def headroom(self):
-        return self.usable - self.predicted
-
-    def __repr__(self):
-        verdict = "fits" if self else "does not fit"
-        return (f"Fit({verdict} {self.where}: the step peaks at {fmt_bytes(self.predicted)} per "
-                f"rank in the {self.peak.phase}, of {fmt_bytes(self.usable)} usable; not counted: "
-                f"fragmentation beyond the 5% reserve, NCCL's own buffers)")
-
 
 @dataclass
 class Choice:
@@ -162,8 +138,6 @@ class _Blocks:
 
 
 def _figures(cfg):
-    from .estimate import estimate, traced_flops
-
     est = estimate(cfg.replace(checkpoint=None))
     n = cfg.n_blocks
     base_flops = traced_flops(cfg, CheckpointSetting(None, n))
@@ -203,11 +177,9 @@ def cost(cfg, setting=None):
     bytes after forward, the backward's activation peak (a checkpointed segment's recompute
     brings its whole inside back at once), model states, the step's FLOPs, counted, and its
     simulated step peak (``total``)."""
-    from .estimate import traced_flops
-
     setting = cfg.checkpointing if setting is None else setting
     choice = _choice(_figures(cfg), setting, traced_flops(cfg, setting))
-    choice.peak = _peak(cfg.replace(checkpoint=setting.plain))
+    choice.peak = predicted_peak(cfg.replace(checkpoint=setting.plain))
     return choice
 
 
@@ -261,33 +233,25 @@ def frontier(choices):
     return out
 
 
-def _peak(cfg):
-    from .peak import predicted_peak
-
-    return predicted_peak(cfg)
-
-
 def plan(cfg, memory_budget):
     """The per-block checkpoint choice whose step peak per rank (simulated: every live byte at
     the step's highest moment, DDP's buckets included) fits ``memory_budget`` (bytes, a string
-    like '12GiB', or a GPU name from `GPUS`) at the least recompute."""
-    from ..config import TrainConfig
-
+    like '12GiB', or a GPU name from `gpus.GPUS`) at the least recompute."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")
     budget = budget_bytes(memory_budget)
     fig = _figures(cfg)
-    unchecked = _peak(cfg.replace(checkpoint=None))
+    unchecked = predicted_peak(cfg.replace(checkpoint=None))
     front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m)), fig, unchecked)
                      for m in _masks(fig))
     # every block checkpointed keeps the fewest activations: what checkpointing can reach
-    lowest = unchecked if not front[1:] else _peak(cfg.replace(checkpoint="full"))
+    lowest = unchecked if not front[1:] else predicted_peak(cfg.replace(checkpoint="full"))
     if min(lowest.bytes, unchecked.bytes) > budget:
         return Plan(budget, None, front, _alternatives(cfg, budget), cfg,
                     _out_of_reach(unchecked, lowest), unchecked)
     for c in front:  # cheapest first; simulate those placed within the budget
         if c.placed <= budget:
-            c.peak = _peak(cfg.replace(checkpoint=c.checkpoint))
+            c.peak = predicted_peak(cfg.replace(checkpoint=c.checkpoint))
             if c.peak.bytes <= budget:
                 return Plan(budget, c, front, [], cfg, "", unchecked)
     reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
@@ -336,67 +300,12 @@ def _alternatives(cfg, budget):
             other = cfg.replace(**change)
         except ValueError:
             continue
-        best, setting = _peak(other.replace(checkpoint=None)), None
+        best, setting = predicted_peak(other.replace(checkpoint=None)), None
         if best.bytes > budget and best.phase != "optimizer":  # checkpointing can help there
-            full = _peak(other.replace(checkpoint="full"))
+            full = predicted_peak(other.replace(checkpoint="full"))
             if full.bytes < best.bytes:
                 best, setting = full, "full"
         out.append(dict(change=what, predicted=best.bytes, fits=best.bytes <= budget,
                         checkpoint=setting, phase=best.phase))
         smaller_fits |= best.bytes <= budget and "micro_batch" in change
     return out
-
-
-def fits(cfg, gpu):
-    """`Fit` of ``cfg`` as it is (its own checkpoint setting) on a GPU name or a byte count:
-    the step's simulated peak per rank (the higher of the first step and the steady state,
-    on the heaviest rank) against what the card leaves a step."""
-    usable = usable_bytes(gpu)
-    where = gpu_name(gpu) if isinstance(gpu, str) and not gpu[:1].isdigit() else \
-        fmt_bytes(usable)
-    return Fit(_peak(cfg), usable, where)
-
-
-def largest_micro_batch(cfg, gpu, limit=4096):
-    """The largest micro-batch with which ``cfg`` (its checkpoint setting) fits ``gpu``; 0 if
-    none does. Each phase's peak grows about linearly with the micro-batch (the optimizer
-    step's not at all): two simulated steps give a first guess, and a search by simulated
-    steps around it gives the answer (the answer fits; one more sample does not)."""
-    usable = usable_bytes(gpu)
-    peaks = {}
-
-    def peak(mb):
-        if mb not in peaks:
-            peaks[mb] = _peak(cfg.replace(micro_batch=mb))
-        return peaks[mb]
-
-    def aim(lo, hi):
-        """Where the first phase reaches the usable bytes, along its line through lo and hi."""
-        out = limit
-        for phase, at_lo in peak(lo).by_phase.items():
-            slope = (peak(hi).by_phase.get(phase, at_lo) - at_lo) / (hi - lo)
-            if slope > 0:
-                out = min(out, lo + int((usable - at_lo) // slope))
-        return out
-
-    if peak(1).bytes > usable:
-        return 0
-    good, bad = 1, limit + 1  # fits / does not (limit + 1: nothing above is asked)
-    guess = int(min(max(aim(1, 2), 1), limit))
-    while bad - good > 1:  # each look moves good up or bad down
-        # a fit: one more sample if the line says the edge is here, else the line's aim (at
-        # most twice the fit); a miss: aim along the line from the last fit, else halve
-        guess = min(max(guess, good + 1), bad - 1)
-        if peak(guess).bytes <= usable:
-            good, edge = guess, aim(1, guess)
-            guess = guess + 1 if edge <= guess else min(2 * guess, edge)
-        else:
-            bad = guess
-            # the line through the last fit and the miss; then the next one up, or halve
-            guess = aim(good, bad)
-            if guess <= good or guess >= bad:
-                guess = (good + bad) // 2
-            elif guess + 1 < bad and peak(guess).bytes <= usable:
-                good, guess = guess, guess + 1
-                continue
-    return good

@@ -26,7 +26,7 @@ import traitlets
 
 from ..engine.policies import CheckpointSetting
 from .fit import grid, held, opened
-from .units import MIB, byte_unit
+from ..predict.units import MIB, byte_unit
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 PREDICTED = "#555555"

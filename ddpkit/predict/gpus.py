@@ -55,7 +55,7 @@ def gpu_name(name):
     hint = f" (it came with {' and '.join(k.split('-')[1] for k in sizes)}: name one)" \
         if sizes else ""
     raise ValueError(f"gpu={name!r} is not a card ddpkit knows{hint}; pass one of "
-                     f"{', '.join(GPUS)} (ddpkit.explore.plan.GPUS) or a byte count such as "
+                     f"{', '.join(GPUS)} (ddpkit.predict.gpus.GPUS) or a byte count such as "
                      f"16 * 2**30")
 
 

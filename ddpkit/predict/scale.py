@@ -7,7 +7,7 @@ the blocks' backward (each block trades its activations for its gradients and DD
 copy, at the same rate at every block, so its highest moment is at one end, the same end for
 every N), the stem's backward (the embedding's gradient) and the optimizer step (each block
 adds its parameters' state; the update's temporaries are the largest parameter's). The
-simulation (`peak.simulate`) cuts the step there (`peak._watch_blocks`): each part's highest
+simulation (`simulate.simulate`) cuts the step there (`simulate._watch_blocks`): each part's highest
 moment, and its ledger, at 3 and 4 blocks give the line through them, and at N blocks::
 
     part(N) = part(4) + (N - 4) * (part(4) - part(3))
@@ -24,9 +24,8 @@ checkpointed); other settings are placed from those two (`plan`).
 from __future__ import annotations
 
 from ..engine.memory import KINDS, PHASES, Peak, phase_of
-
-SCALE_ABOVE = 300_000_000
-"""Parameters above which a simulated step is scaled from 3 and 4 blocks."""
+from .simulate import Simulation
+from .trace import SCALE_ABOVE
 
 
 def scalable(cfg):
@@ -42,10 +41,8 @@ def _line(at3, at4, n):
 
 
 def scaled(simulate, cfg, rank):
-    """A `peak.Simulation` of ``cfg``'s rank ``rank``, from ``simulate(cfg, rank, keep=3)`` and
+    """A `simulate.Simulation` of ``cfg``'s rank ``rank``, from ``simulate(cfg, rank, keep=3)`` and
     ``keep=4``."""
-    from .peak import Simulation
-
     n = cfg.n_blocks
     setting = "full" if any(cfg.checkpointing.mask) else None
     three = simulate(cfg.replace(checkpoint=setting), rank, keep=3)

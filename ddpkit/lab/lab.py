@@ -15,14 +15,16 @@ doctor's banner, `lab_follow.py` follows a run (figures, progress, error banner)
 from __future__ import annotations
 
 from ..config import TrainConfig
-from .estimate import activation_bytes
-from .lab_config import ConfigSync, described, names_blocks, readout
-from .lab_follow import RunFollower
-from .lab_runs import LabRunner
-from .lab_view import LabView
+from ..predict.estimate import activation_bytes
+from ..runs.timeline import link_label
+from .controls import ConfigSync, described, names_blocks, readout
+from .follow import RunFollower
 from .peak_panel import PeakPanel
+from .plan_panel import PlanPanel
 from .plots import LivePlots, check_ema
-from .timeline import LiveTimeline, link_label
+from .runner import LabRunner
+from .timeline import LiveTimeline
+from .view import LabView
 
 
 class Lab:
@@ -39,8 +41,6 @@ class Lab:
         if not max_hz > 0:
             raise ValueError(f"Lab(max_hz={max_hz!r}): figure updates per second must be > 0; "
                              f"pass e.g. max_hz=5")
-        from .plan_panel import PlanPanel
-
         check_ema(ema, "Lab")  # before the peak panel starts its thread
 
         self.cfg = cfg or TrainConfig()

@@ -1,7 +1,7 @@
 """The Lab's peak panel, beside the memory plot: each rank's last probed peak, measured beside
 predicted with the error in %, and one stacked bar of what each is made of (the ledger).
 
-Predictions come from `ddpkit.explore.peak` (the rank's step simulated on fake tensors), one per
+Predictions come from `ddpkit.predict.peak` (the rank's step simulated on fake tensors), one per
 (checkpoint setting, accumulation steps, step 0 or steady, rank) a record asks for, worked out on
 a thread of the panel's own (a cold simulation takes seconds at real sizes), so neither the
 kernel nor the figures wait for them. Redrawn at most once a second.
@@ -16,7 +16,8 @@ import time
 from ..engine.memory import KINDS
 from . import background
 from .fit import figure
-from .units import byte_unit, fmt_bytes
+from ..predict.estimate import estimate
+from ..predict.units import byte_unit, fmt_bytes
 
 KIND_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#e45756",
                "ddp_buckets": "#72b7b2", "fsdp_buffers": "#54a24b", "activations": "#eeca3b",
@@ -80,8 +81,6 @@ class PeakPanel:
             try:
                 run = cfg.replace(checkpoint=list(checkpoint) if isinstance(checkpoint, tuple)
                                   else checkpoint, accum_steps=accum)
-                from .estimate import estimate
-
                 # the trace and the simulated step: Python's end waits for them
                 peak = background.run(lambda: estimate(run).peak(step=step, rank=rank))
             except Exception as exc:  # shown in the table, never raised into a thread
