@@ -19,6 +19,7 @@ from .predict.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import
 from .predict.fits import fits, largest_micro_batch
 from .predict.plan import plan
+from .predict.calibrate import calibrate
 from .engine.policies import CheckpointSetting
 from .rank.context import Context
 from .runs.result import TrainResult
@@ -40,7 +41,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError",
+__all__ = ["CheckpointSetting", "calibrate", "Context", "Estimate", "Finding", "Pool", "RankError",
            "RankStalled", "RunHandle", "RunResult", "TraceError", "TrainConfig", "TrainResult",
            "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan", "shutdown",
            "sweep", "train"]

@@ -31,7 +31,7 @@ ALLOWED = {
     "config": {"engine", "devices", "slurm"},
     "runtime": {"rank", "devices", "errors", "shipping"},
     "pitfalls": {"engine", "config", "runtime", "rank", *LEAVES},
-    "predict": {"engine", "config", *LEAVES},
+    "predict": {"engine", "config", "runtime", *LEAVES},  # runtime: calibrate() runs ranks
     "runs": {"engine", "config", "runtime", "pitfalls", "predict", *LEAVES},
     "lab": {"engine", "config", "runtime", "predict", "runs", *LEAVES},
     "cli": {"engine", "config", "runtime", "rank", "predict", "runs", *LEAVES},

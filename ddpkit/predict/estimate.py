@@ -44,6 +44,7 @@ from ..engine.strategies import mixed_dtype
 from . import attention
 from .fits import fits, largest_micro_batch
 from .peak import predicted_peak
+from .steptime import step_time
 from .trace import (as_real_for_transformers, as_setting, on_device,  # noqa: F401 (the API)
                     run_target, trace_activations, traced, traced_flops)
 from .units import human_bytes
@@ -87,6 +88,14 @@ class Estimate:
         or 'steady' (every step after: DDP's rebuild of its buckets at step 1 frees as much as it
         allocates), None: the higher. ``rank``: None is the heaviest rank."""
         return predicted_peak(self.config, step, rank)
+
+    def step_time(self, device=None, link=None, rank=None):
+        """The predicted time of one optimizer step, a `steptime.StepTime` (``seconds``,
+        ``ledger`` by kind, ``comm_s``, ``overlap``, ``tokens_per_s``, ``mfu``, ``timeline``):
+        the rank's own step simulated on fake tensors, played on this machine's measured rates
+        (``device=None``; calibrated on first use, then cached) or on a named device's
+        roofline (``device="H100"``, with ``link`` the network between nodes)."""
+        return step_time(self.config, device=device, link=link, rank=rank)
 
     def fits(self, gpu):
         """`plan.Fit` (truthy if it fits) of the step's peak on a GPU name ('T4', 'A100-80GB',

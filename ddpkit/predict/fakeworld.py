@@ -164,8 +164,9 @@ def skip_dtensor_meta(live):
     finally:
         setattr(ShardingPropagator, name, original)
 
-def watch_buckets(wrapped, cfg):
-    """Register the simulation's comm hook on DDP; return what it saw of the buckets."""
+def watch_buckets(wrapped, cfg, handed=None):
+    """Register the simulation's comm hook on DDP; return what it saw of the buckets.
+    ``handed(index, nbytes)``: told each time DDP hands a bucket over (its all-reduce starts)."""
     seen = {}
     if not hasattr(wrapped, "register_comm_hook"):
         return seen
@@ -174,6 +175,8 @@ def watch_buckets(wrapped, cfg):
     def hook(state, bucket):
         st = bucket.buffer().untyped_storage()
         seen[bucket.index()] = (st._cdata, st.nbytes())
+        if handed is not None:
+            handed(bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size())
         return inner(state, bucket)
     wrapped.register_comm_hook(cfg.world_size, hook)
     wrapped.reducer = _FirstLayout(wrapped.reducer)

@@ -66,11 +66,14 @@ def predicted_peak(cfg, step=None, rank=None):
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < cfg.world_size):
         raise ValueError(f"peak(rank={rank!r}): pass a rank in 0..{cfg.world_size - 1} or None "
                          f"(the heaviest)")
-    sim = simulated(cfg, 0 if rank is None else rank)
-    if rank is None:
-        heaviest = max(range(cfg.world_size), key=lambda r: (sim.loads[r], -r))
-        if heaviest != 0:
-            sim = simulated(cfg, heaviest)
+    sim = simulated(cfg, heaviest_rank(cfg) if rank is None else rank)
     if step is None:
         return max(sim.peaks, key=lambda p: p.bytes)
     return sim.peaks[0 if step == 0 else 1]
+
+
+def heaviest_rank(cfg):
+    """The rank whose optimizer updates the most parameters (rank 0 on a tie): ZeRO-1's greedy
+    partition and FSDP's dim-0 chunks can load one rank more than the others."""
+    loads = simulated(cfg, 0).loads
+    return max(range(cfg.world_size), key=lambda r: (loads[r], -r))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from ..engine.memory import KINDS, PHASES, Peak, phase_of
 from .simulate import Simulation
+from .streams import extend
 from .trace import SCALE_ABOVE
 
 
@@ -57,7 +58,8 @@ def scaled(simulate, cfg, rank):
         segments.append(parts)
         peaks.append(_peak_of(parts))
     loads = [_line(a, b, n) for a, b in zip(three.loads, four.loads)]
-    return Simulation(rank, peaks, loads, segments, how="scaled from 3 and 4 blocks")
+    return Simulation(rank, peaks, loads, segments, how="scaled from 3 and 4 blocks",
+                      stream=extend(three.stream, four.stream, n))
 
 
 def _peak_of(parts):

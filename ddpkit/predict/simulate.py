@@ -49,6 +49,7 @@ from ..engine.blocks import resolve_blocks
 from ..engine.policies import CheckpointSetting
 from ..engine.spec import describe_spec, fake_model
 from ..engine.step import train_step, zero_grad
+from .optrace import OpTrace
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
 from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
                         watch_storage_resizes)
@@ -147,6 +148,9 @@ class Simulation:
     ends and their backward begins and ends (`scale.py` extrapolates these in the block count)."""
     how: str = "simulated"
     """'simulated' (the whole model) or 'scaled from 3 and 4 blocks' (`scale.py`)."""
+    stream: list = dataclasses.field(default_factory=list, repr=False)
+    """The last step's ops and marks, in the order they ran (`optrace.OpTrace`): what the
+    step-time prediction times."""
 
 
 def simulate(cfg, rank=0, steps=2, keep=None):
@@ -220,7 +224,8 @@ def _simulate(cfg, rank, steps, keep, thaw):
             mesh_ready = _premade_mesh(wrap_cfg, ctx)
         wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False,
                                                 mesh=mesh_ready, precision=cfg.precision)
-        buckets = watch_buckets(wrapped, cfg)
+        trace = OpTrace(live)
+        buckets = watch_buckets(wrapped, cfg, trace.bucket)
         gc.collect()  # fake tensors sit in reference cycles: what a rank frees at once, now
         thaw()
         if cuda:  # torch's default on CUDA: the foreach implementation
@@ -228,14 +233,16 @@ def _simulate(cfg, rank, steps, keep, thaw):
                 if "foreach" in group:
                     group["foreach"] = True
         peaks, segments = [], []
-        hooks = _watch_blocks(live, blocks)
+        hooks = _watch_blocks(live, blocks) + trace.watch(
+            blocks, model, grads=hasattr(wrapped, "register_comm_hook"))
         for step in range(steps):
+            trace.reset()
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
             with on_device(target), stage("the step"):
                 peak, cut = _one_step(cfg, step, live, model, wrapped, optimizer, batches,
-                                      buckets, as_real_for_transformers(real_batch))
+                                      buckets, as_real_for_transformers(real_batch), trace)
             extra = cublas_workspaces(target) if target is not None else 0
             peaks.append(_plus(peak, extra))
             segments.append({k: (v + extra, {**ledger, "other": ledger["other"] + extra})
@@ -244,7 +251,7 @@ def _simulate(cfg, rank, steps, keep, thaw):
         for h in hooks:
             h.remove()
         loads = _loads(optimizer, model, cfg.world_size)
-    return Simulation(rank, peaks, loads, segments)
+    return Simulation(rank, peaks, loads, segments, stream=trace.stream)
 
 
 def _first_tensor(values):
@@ -320,7 +327,8 @@ def _premade_mesh(cfg, ctx):
     return strategies.fsdp_mesh(ctx.device.type, cfg) if strategies.is_fsdp(cfg.strategy) else None
 
 
-def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real_transformers):
+def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real_transformers,
+              trace):
     start = len(live.events)
     census = {"parameters": storages(model.parameters(), by="impl"),
               "gradients": storages((p.grad for p in model.parameters()), by="impl"),
@@ -329,11 +337,11 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
     live.forward_ends, live.points = [], []
     acts = ActivationProbe()
     acts.new_step()
-    with real_transformers:
+    with real_transformers, trace:
         train_step(wrapped, optimizer, batches, accum_steps=cfg.accum_steps,
                    no_sync=cfg.no_sync and not (cfg.static_graph and step == 0),
                    precision=strategies.autocast_precision(cfg), device="cpu",
-                   activation_probe=acts, inner=model, loss_fn=cfg.loss_fn, phase=live.mark,
+                   activation_probe=acts, inner=model, loss_fn=cfg.loss_fn, phase=trace.phase,
                    read_loss=False)
     end = len(live.events) - start
     census["ddp_buckets"] = dict(buckets.values())
