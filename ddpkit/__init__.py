@@ -18,7 +18,7 @@ from .config import TrainConfig
 from .predict.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import
 from .predict.fits import fits, largest_micro_batch
-from .predict.plan import plan
+from .predict.planner import plan
 from .predict.calibrate import calibrate
 from .engine.policies import CheckpointSetting
 from .rank.context import Context

@@ -252,14 +252,16 @@ def _timeline_mark(e, t, opened, row):
         row("optimizer", "optimizer step", opened.get(("fwd0", micro + 1), t), t, micro)
 
 
-def step_time(cfg, device=None, link=None, rank=None, machine=None):
+def step_time(cfg, device=None, link=None, rank=None, machine=None, bucket_cap_mb=...):
     """The predicted `StepTime` of ``cfg``'s optimizer step on rank ``rank`` (None: the
     heaviest, as `peak` picks it). ``device=None``: this machine's CPU ranks over gloo, from its
     calibration (`calibrate.calibrate`: measured on first use, then cached); a name
     (``"H100"``, ``"A100-80GB"``...: `hardware.DEVICES`): that device's roofline. ``link``: a
     simulated link for this machine (None: the config's own ``link_gbps``), or, for a named
     device, the network between its nodes (``"400Gbps"``, ``"NVLink4"``, a number of Gbit/s;
-    `hardware.link`). ``machine``: a `Machine` to use as it is."""
+    `hardware.link`). ``machine``: a `Machine` to use as it is. ``bucket_cap_mb``: DDP's
+    bucket size to play the step with, where it is not the config's (the simulated step does
+    not depend on it: only when each all-reduce starts does)."""
     if machine is None:
         machine = calibrate() if device is None else hardware.machine(device)
     sim = simulated(cfg, heaviest_rank(cfg) if rank is None else rank)
@@ -270,8 +272,9 @@ def step_time(cfg, device=None, link=None, rank=None, machine=None):
     else:
         ranks, slow, wire = cfg.world_size, 1.0, None
         machine = hardware.with_link(machine, link, cfg.world_size)
-    cap = (cfg.bucket_cap_mb or 25) * 2**20
-    caps = (2**20 if cfg.bucket_cap_mb is None else cap, cap)  # torch's first bucket: 1 MiB
+    mb = cfg.bucket_cap_mb if bucket_cap_mb is ... else bucket_cap_mb
+    cap = (mb or 25) * 2**20
+    caps = (2**20 if mb is None else cap, cap)  # torch's default first bucket: 1 MiB
     seconds, ledger, rows, spans = play(sim.stream, machine, ranks=ranks, slowdown=slow,
                                         link=wire, rank=sim.rank, caps=caps)
     comm = _union([(s, e) for s, e, *_ in spans])
