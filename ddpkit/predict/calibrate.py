@@ -11,6 +11,7 @@ machine, torch version and threads per rank as JSON in ``~/.cache/ddpkit/calibra
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -19,10 +20,9 @@ import numpy as np
 import torch
 
 from ..config import TrainConfig
-from ..engine.loop import train_rank
 from ..engine.saving import atomic_write_bytes
 from ..runtime.launch import launch
-from . import rates
+from . import rates, replay
 from .machine import Machine
 from .optrace import Op
 from .simulate import simulate
@@ -35,30 +35,6 @@ REFERENCES = (dict(model="gpt", n_blocks=2, width=32, seq_len=16, micro_batch=2,
                    checkpoint=2))
 """The built-in models' steps the framework's per-op cost is fitted on: two small enough that
 the cost is most of the step, two where compute is, one with recompute."""
-REFERENCE_STEPS = 12
-
-
-def phase_seconds(records):
-    """Median seconds per optimizer step of forward, backward (recompute in it) and the optimizer,
-    and the whole step, from rank 0's records with a timeline on every step (steps after the
-    first two: DDP rebuilds its buckets at step 1)."""
-    per_step = []
-    for rec in records:
-        if rec["rank"] != 0 or rec["step"] < 2 or "timeline" not in rec:
-            continue
-        span = {}
-        for _, _, micro, kind, name, start, end, _ in rec["timeline"]:
-            if kind == "allreduce":
-                continue
-            key = "backward" if kind == "recompute" else kind
-            a, b = span.get((key, micro), (start, end))
-            span[(key, micro)] = (min(a, start), max(b, end))
-        totals = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        for (key, _), (a, b) in span.items():
-            totals[key] += b - a
-        totals["step"] = rec["step_time_s"]
-        per_step.append(totals)
-    return {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
 
 
 def machine_key(threads):
@@ -86,42 +62,54 @@ def cache_path(key):
                         hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 
-def _phase_model(machine, stream):
-    """Per phase: (seconds without the framework's per-op cost, ops, views) of a stream."""
-    out = {p: [0.0, 0, 0] for p in ("forward", "backward", "optimizer")}
+VIEW_WEIGHT = 0.5
+"""A view op's dispatch cost in units of another op's (it runs no kernel)."""
+
+
+def _phase_sums(machine, stream):
+    """Per phase: (seconds of its ops' work, ops dispatched), recompute in the backward as a
+    rank's phase marks count it; the work as it costs alone (factor 1, no dispatch cost)."""
+    bare = dataclasses.replace(machine, overhead={}, factor={})
+    out = {p: [0.0, 0.0] for p in ("forward", "backward", "optimizer")}
     for op in stream:
         if not isinstance(op, Op) or op.kind == "collective" or op.phase not in out:
             continue
-        seconds = machine.op_s(op)
-        entry = out[op.phase]  # recompute is part of the backward here, as in the timeline
-        entry[0] += seconds
-        entry[2 if op.kind == "view" else 1] += 1
+        entry = out[op.phase]
+        entry[0] += bare.op_s(op)
+        entry[1] += VIEW_WEIGHT if op.kind == "view" else 1.0
     return out
 
 
-def fit_overheads(machine, measured, streams):
-    """The framework's seconds per op and per view, in each phase, that bring the model of the
-    reference steps to their measured phases (least squares, never below zero); and the
-    step's fixed work (what the step took beyond its phases)."""
-    saved = dict(machine.overhead)
-    machine.overhead = {}
-    models = [_phase_model(machine, s) for s in streams]
-    out, fixed = {}, []
+def fit_phases(machine, measured, streams):
+    """Each phase's cost per dispatched op and its factor on the ops' own work, fitted (least
+    squares, neither below zero) so the reference steps' streams come to their measured phases;
+    and the step's fixed work (what the step took beyond its phases)."""
+    sums = [_phase_sums(machine, s) for s in streams]
+    overhead, factor = {}, {}
     for phase in ("forward", "backward", "optimizer"):
-        a = np.array([[m[phase][1], m[phase][2]] for m in models], dtype=float)
-        b = np.array([meas[phase] - m[phase][0] for meas, m in zip(measured, models)])
-        coef = np.linalg.lstsq(a, b, rcond=None)[0]
-        if coef.min() < 0:  # one of the two alone, the better fit
-            fits = [(max(0.0, float(np.linalg.lstsq(a[:, [j]], b, rcond=None)[0][0])), j)
-                    for j in (0, 1)]
-            fits = [(c, j, float(np.sum((a[:, j] * c - b) ** 2))) for c, j in fits]
-            c, j, _ = min(fits, key=lambda f: f[2])
-            coef = [c, 0.0] if j == 0 else [0.0, c]
-        out[phase], out[phase + "_view"] = float(coef[0]), float(coef[1])
-    for meas in measured:
-        fixed.append(meas["step"] - meas["forward"] - meas["backward"] - meas["optimizer"])
-    machine.overhead = {**saved, **out, "other": out["forward"]}
-    return machine.overhead, max(0.0, statistics.median(fixed))
+        a = np.array([[s[phase][1], s[phase][0]] for s in sums])
+        b = np.array([m[phase] for m in measured])
+        per_op, scale = _nonnegative(a, b)
+        overhead[phase], overhead[phase + "_view"] = per_op, VIEW_WEIGHT * per_op
+        factor[phase] = scale
+    overhead["other"], overhead["other_view"] = overhead["forward"], overhead["forward_view"]
+    factor["other"] = factor["forward"]
+    fixed = [m["step"] - m["forward"] - m["backward"] - m["optimizer"] for m in measured]
+    return overhead, factor, max(0.0, statistics.median(fixed))
+
+
+def _nonnegative(a, b):
+    """Least squares of ``a @ x = b`` with ``x >= 0`` (two unknowns: try both, then each)."""
+    x = np.linalg.lstsq(a, b, rcond=None)[0]
+    if (x >= 0).all():
+        return float(x[0]), float(x[1])
+    best = None
+    for j in (0, 1):
+        c = max(0.0, float(np.linalg.lstsq(a[:, [j]], b, rcond=None)[0][0]))
+        err = float(np.sum((a[:, j] * c - b) ** 2))
+        if best is None or err < best[0]:
+            best = (err, (c, 0.0) if j == 0 else (0.0, c))
+    return best[1]
 
 
 def _launch(fn, *args, world_size, on_metric=None, **kw):
@@ -131,15 +119,16 @@ def _launch(fn, *args, world_size, on_metric=None, **kw):
 
 
 def _reference_steps(world_size, tick):
-    """Each reference config's measured phases on ``world_size`` ranks, and its config."""
+    """Each reference config and its phases' CPU seconds on rank 0 of ``world_size`` ranks."""
     out = []
     for ref in REFERENCES:
-        cfg = TrainConfig(**ref, world_size=world_size, steps=REFERENCE_STEPS, timeline_every=1,
-                          backend="gloo", device="cpu")
-        res = _launch(train_rank, cfg, world_size=world_size, return_weights=False)
-        out.append((cfg, phase_seconds(res.metrics)))
+        cfg = TrainConfig(**ref, world_size=world_size, backend="gloo", device="cpu")
+        out.append((cfg, _launch(rates.reference_phases, cfg, world_size=world_size).returns[0]))
         tick()
     return out
+
+
+_LOADED = {}  # cache path -> the Machine this process holds (its replays grow as it predicts)
 
 
 def calibrate(refresh=False, progress=True):
@@ -149,9 +138,12 @@ def calibrate(refresh=False, progress=True):
     threads = max(1, (os.cpu_count() or 1) // 2)  # what the launcher gives each of 2+ ranks
     key = machine_key(threads)
     path = cache_path(key)
+    if not refresh and path in _LOADED:
+        return _LOADED[path]
     if not refresh and os.path.exists(path):
         with open(path) as fh:
-            return Machine.from_json(json.load(fh))
+            _LOADED[path] = Machine.from_json(json.load(fh))
+        return _LOADED[path]
     bar = _bar(progress)
 
     def tick(record=None):
@@ -168,31 +160,23 @@ def calibrate(refresh=False, progress=True):
                           comm_cpu_share=two["comm_cpu_share"], key=key)
         refs = _reference_steps(2, tick)
         streams = [simulate(cfg, 0).stream for cfg, _ in refs]
-        machine.overhead, machine.step_s = fit_overheads(machine, [m for _, m in refs], streams)
-        machine.contention = _contention(refs[2], tick)
+        for stream in streams:
+            replay.learn(machine, stream)
+        machine.overhead, machine.factor, machine.step_s = fit_phases(
+            machine, [m for _, m in refs], streams)
     finally:
         if bar is not None:
             bar.close()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_write_bytes(path, json.dumps(machine.to_json()).encode())
+    remember(machine)
+    _LOADED[path] = machine
     return machine
 
 
-def _contention(reference, tick):
-    """{"4/cores": ...}: how much slower a rank computes with 4 ranks than with 2 on this
-    machine (the reference step's forward and backward, measured both ways)."""
-    cfg, two = reference
-    four = _reference_steps_one(cfg.replace(world_size=4))
-    tick()
-    cores = os.cpu_count() or 1
-    ratio = (four["forward"] + four["backward"]) / (two["forward"] + two["backward"])
-    base = max(1.0, 2 / cores)
-    return {f"2/{cores}": base, f"4/{cores}": base * ratio}
-
-
-def _reference_steps_one(cfg):
-    res = _launch(train_rank, cfg, world_size=cfg.world_size, return_weights=False)
-    return phase_seconds(res.metrics)
+def remember(machine):
+    """Keep ``machine`` in its cache file (written whole, atomically)."""
+    path = cache_path(machine.key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_bytes(path, json.dumps(machine.to_json()).encode())
 
 
 def _bar(progress):

@@ -62,6 +62,12 @@ class Machine:
     """The share of a collective's time that takes a core from compute (CPU ranks: gloo copies
     and adds on the rank's own cores; a GPU's collectives run beside its compute: 0)."""
     peak_flops: dict = dataclasses.field(default_factory=dict)
+    replayed: dict = dataclasses.field(default_factory=dict)
+    """Seconds of each op run again here at its own shapes (`replay`), by its recipe; None
+    for an op that could not be rebuilt (its time then comes from the rate tables)."""
+    factor: dict = dataclasses.field(default_factory=dict)
+    """By phase: what an op costs inside a real step over what it costs run alone (caches
+    cold, the other rank beside it), fitted on the reference steps; 1 where not fitted."""
     key: str = ""
     """What the figures were measured for (host, processor, torch, threads): a cache key."""
     notes: list = dataclasses.field(default_factory=list)
@@ -73,6 +79,9 @@ class Machine:
         phase = "forward" if op.recompute else (op.phase or "other")
         host = self.overhead.get(phase + "_view" if op.kind == "view" else phase, 0.0)
         work = 0.0
+        alone = self.replayed.get(repr(op.recipe)) if op.recipe is not None else None
+        if alone is not None and op.kind != "view":
+            return host + self.factor.get(phase, 1.0) * alone
         if op.kind == "matmul":
             work = self.gemm_s(op.shape, op.dtype)
         elif op.kind == "attention":
@@ -82,7 +91,7 @@ class Machine:
             work = self.memory_s(op.name, op.bytes)
         if self.kind == "roofline":  # the device runs it while the host issues the next ones
             return max(host, work + self.kernel_s) if op.kind != "view" else host
-        return host + work
+        return host + self.factor.get(phase, 1.0) * work
 
     def gemm_s(self, shape, dtype):
         """Seconds of a matrix product (batch, m, n, k) in ``dtype``."""

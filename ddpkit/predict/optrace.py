@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from .replay import recipe
+
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -67,6 +69,8 @@ class Op:
     recompute: bool = False
     group: int = 1
     index: int = 0
+    recipe: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
+    """How to run it again for real (`replay.recipe`): the op and its arguments' shapes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,12 +185,14 @@ class OpTrace(TorchDispatchMode):
                      else _attention_flops(name, args, out))
             shape = _matmul_shape(name, args) if name in MATMULS else _attention_shape(args)
             return Op(name, "matmul" if name in MATMULS else "attention", int(flops),
-                      _elements_bytes(ins) + _elements_bytes(outs), shape=shape, **common)
+                      _elements_bytes(ins) + _elements_bytes(outs), shape=shape,
+                      recipe=recipe(func, args, kwargs), **common)
         in_keys = {t.untyped_storage()._cdata for t in ins}
         aliased = outs and all(t.untyped_storage()._cdata in in_keys for t in outs)
         if name in _FREE or (aliased and not name.endswith("_") and name != "copy_"):
             return Op(name, "view", 0, 0, **common)
-        return Op(name, "memory", 0, _elements_bytes(ins) + _elements_bytes(outs), **common)
+        return Op(name, "memory", 0, _elements_bytes(ins) + _elements_bytes(outs),
+                  recipe=recipe(func, args, kwargs), **common)
 
     # --- the blocks, as the rank's timeline probe sees them
     def watch(self, blocks, model, grads=False):

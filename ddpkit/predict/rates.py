@@ -12,12 +12,18 @@ by something else for a moment is not measured.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
 import time
 
 import torch
+
+from ..engine import strategies
+from ..engine.data import RankBatches, make_dataset
+from ..engine.spec import build_model
+from ..engine.step import train_step, zero_grad
 
 SIZES = (8, 32, 128, 512, 1024)
 """The grid of matrix sizes (m, n and k each) a matrix product is measured at."""
@@ -27,21 +33,23 @@ MEMORY_SIZES = (2**10, 2**14, 2**18, 2**22, 2**24)
 """Bytes a memory-bound op moves, for its rate by size."""
 
 
-CLOCK = time.perf_counter
-"""The clock measurements read (``time.thread_time`` reads this thread's CPU time: a loaded
-machine's figures then hold as if it were idle)."""
+CLOCK = time.thread_time
+"""The clock compute is measured by: this thread's CPU time, so a machine loaded by other work
+gives the ops' own costs (collectives are timed by the wall clock: they wait on peers)."""
 
 
-def timed(fn, min_s=0.01, rounds=5):
-    """Median seconds of one call of ``fn`` over ``rounds`` rounds of at least ``min_s``."""
+def timed(fn, min_s=0.01, rounds=5, clock=None):
+    """Median seconds of one call of ``fn`` over ``rounds`` rounds of at least ``min_s``, by
+    ``clock`` (`CLOCK` when not given)."""
+    clock = clock or CLOCK
     fn()
     out = []
     for _ in range(rounds):
-        n, start = 0, CLOCK()
+        n, start = 0, clock()
         while True:
             fn()
             n += 1
-            elapsed = CLOCK() - start
+            elapsed = clock() - start
             if elapsed >= min_s:
                 break
         out.append(elapsed / n)
@@ -191,16 +199,16 @@ def comm_cpu_share(world, rounds=40):
     import torch.distributed as dist
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    alone = timed(lambda: torch.mm(a, b), min_s=0.05)
+    alone = timed(lambda: torch.mm(a, b), min_s=0.05, clock=time.perf_counter)  # the wall's
     t = torch.ones(2**20)
     dist.barrier()
     worker = threading.Thread(target=lambda: [dist.all_reduce(t) for _ in range(rounds)])
-    done, start = 0, CLOCK()
+    done, start = 0, time.perf_counter()
     worker.start()
     while worker.is_alive():
         torch.mm(a, b)
         done += 1
-    beside = (CLOCK() - start) / max(done, 1)
+    beside = (time.perf_counter() - start) / max(done, 1)
     worker.join()
     dist.barrier()
     return max(0.0, min(1.0, 1.0 - alone / beside))
@@ -227,3 +235,33 @@ def rank_figures(ctx, compute=True, tick_every=8):
 
 
 _TINY = torch.ones(8)
+
+
+def reference_phases(ctx, cfg, steps=12):
+    """This thread's CPU seconds in each phase of ``cfg``'s step on this rank (its own model,
+    policy, wrapping and batches, as `engine.loop.train_rank` builds them), the median over the
+    steps after the first three; and the whole step's (``step``). Rank 0's; None elsewhere."""
+    model = build_model(cfg)[0]
+    cfg.checkpoint_policy().apply(model, cfg.blocks_path)
+    wrapped, optimizer, _ = strategies.wrap(cfg, model, ctx, count_comm=False)
+    data = RankBatches(make_dataset(cfg), ctx.rank, ctx.world_size, shuffle=False)
+    seconds = {}
+
+    @contextlib.contextmanager
+    def phase(name):
+        start = time.thread_time()
+        yield
+        seconds[name] = seconds.get(name, 0.0) + time.thread_time() - start
+    out, consumed = [], 0
+    for _ in range(steps):
+        seconds.clear()
+        batches = data.micro_batches(consumed, cfg.micro_batch, cfg.accum_steps)
+        consumed += ctx.world_size * cfg.micro_batch * cfg.accum_steps
+        start = time.thread_time()
+        train_step(wrapped, optimizer, batches, accum_steps=cfg.accum_steps, no_sync=cfg.no_sync,
+                   precision=strategies.autocast_precision(cfg), phase=phase)
+        zero_grad(optimizer)
+        out.append({**seconds, "step": time.thread_time() - start})
+    if ctx.rank:
+        return None
+    return {k: statistics.median(o[k] for o in out[3:]) for k in out[0]}
