@@ -151,12 +151,10 @@ def calibrate(refresh=False, progress=True):
             bar.update(1)
     try:
         two = _launch(rates.rank_figures, world_size=2, on_metric=tick).returns[0]
-        four = _launch(rates.rank_figures, world_size=4, compute=False,
-                       on_metric=tick).returns[0]
+        four = _launch(rates.rank_figures, world_size=4, on_metric=tick).returns[0]
         machine = Machine(f"this machine ({os.cpu_count()} cores, CPU ranks, gloo)",
-                          threads=two["threads"], gemm=two["gemm"], attention=two["attention"],
-                          memory=two["memory"], collectives={**two["collectives"],
-                                                             **four["collectives"]},
+                          threads=two["threads"], collectives={**two["collectives"],
+                                                               **four["collectives"]},
                           comm_cpu_share=two["comm_cpu_share"], key=key)
         refs = _reference_steps(2, tick)
         streams = [simulate(cfg, 0).stream for cfg, _ in refs]

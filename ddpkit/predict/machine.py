@@ -93,6 +93,10 @@ class Machine:
             return max(host, work + self.kernel_s) if op.kind != "view" else host
         return host + self.factor.get(phase, 1.0) * work
 
+    def needs_tables(self):
+        """Is this a measured machine whose rate tables are not measured yet?"""
+        return self.kind == "measured" and not self.gemm
+
     def gemm_s(self, shape, dtype):
         """Seconds of a matrix product (batch, m, n, k) in ``dtype``."""
         table = self.gemm.get(dtype) or self.gemm.get("float32")

@@ -1,11 +1,12 @@
 """This machine's rates, measured on its ranks (every rank at once, so the cores are as shared
 as in a run; `calibrate.calibrate` launches them, fits and caches):
 
-* matrix products on a grid of shapes (m, n, k in 8..1024) in float32 and bfloat16;
-* attention (the CPU flash kernel) forward and backward, causal, at a few sizes;
-* memory-bound ops: bytes per second by size, and each common op's own factor;
 * collectives over the group's transport (gloo on loopback), by size, and the share of a core
-  they take from compute beside them.
+  they take from compute beside them (`rank_figures`);
+* a reference step's phases, by this thread's CPU time (`reference_phases`);
+* and, in the kernel the first time a real-size model needs them (`tables`): matrix products on
+  a grid of shapes (m, n, k in 8..1024) in float32 and bfloat16, attention (the CPU flash
+  kernel) forward and backward, memory-bound ops by size and each common op's own factor.
 
 Each measurement repeats until it has run a stated time and takes the median, so a core taken
 by something else for a moment is not measured.
@@ -214,27 +215,34 @@ def comm_cpu_share(world, rounds=40):
     return max(0.0, min(1.0, 1.0 - alone / beside))
 
 
-def rank_figures(ctx, compute=True, tick_every=8):
-    """Everything a rank measures, every rank at once (so the cores are as shared as in a
-    run); rank 0's figures are returned. ``ctx.log`` ticks the kernel's progress bar."""
+def rank_figures(ctx, tick_every=4):
+    """What the ranks measure together: each collective by size on this group, and the share
+    of a core they take from compute; rank 0's figures are returned. ``ctx.log`` ticks the
+    kernel's progress bar."""
     count = [0]
 
     def tick():
         count[0] += 1
         if count[0] % tick_every == 0:
             ctx.log(stage="calibrating", done=count[0])
-    out = {"threads": torch.get_num_threads()}
-    if compute:
-        out["gemm"] = {d: gemm_table(d, tick=tick) for d in ("float32", "bfloat16")}
-        out["attention"] = {d: attention_points(d, tick=tick) for d in ("float32", "bfloat16")}
-        out["memory"] = memory_rates(tick=tick)
-        out["dispatch_s"] = timed(lambda: torch.mul(_TINY, 2.0), min_s=0.02)
-    out["collectives"] = collective_points(ctx.world_size, tick=tick)
-    out["comm_cpu_share"] = comm_cpu_share(ctx.world_size)
+    out = {"threads": torch.get_num_threads(),
+           "collectives": collective_points(ctx.world_size, tick=tick),
+           "comm_cpu_share": comm_cpu_share(ctx.world_size)}
     return out if ctx.rank == 0 else None
 
 
-_TINY = torch.ones(8)
+def tables(threads):
+    """The rate tables of `machine.Machine` for ops too large to run again here (a real-size
+    model's): matrix products, attention and memory-bound ops, with ``threads`` threads (a
+    rank's). Measured in the kernel by this thread's CPU time, the first time one is needed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {"gemm": {d: gemm_table(d) for d in ("float32", "bfloat16")},
+                "attention": {d: attention_points(d) for d in ("float32", "bfloat16")},
+                "memory": memory_rates()}
+    finally:
+        torch.set_num_threads(before)
 
 
 def reference_phases(ctx, cfg, steps=12):

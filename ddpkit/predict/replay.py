@@ -119,8 +119,9 @@ def key(item):
 
 
 def learn(machine, stream, threads=None):
-    """Measure, for ``machine`` (this machine's), each op of ``stream`` it has no time for yet
-    (those small enough to run here); returns how many it measured."""
+    """Measure what ``stream`` needs of ``machine`` (this machine's) and it has not measured
+    yet: each op small enough to run again here, and the rate tables (`rates.tables`) when an
+    op cannot be run again. Returns how many things it measured."""
     threads = threads or machine.threads
     todo = {}
     for op in stream:
@@ -129,4 +130,14 @@ def learn(machine, stream, threads=None):
             todo[key(item)] = item
     for k, item in todo.items():
         machine.replayed[k] = measure(item, threads)
+    if machine.needs_tables() and any(_unreplayed(machine, op) for op in stream):
+        for name, table in rates.tables(threads).items():
+            setattr(machine, name, table)
+        return len(todo) + 1
     return len(todo)
+
+
+def _unreplayed(machine, op):
+    """An op whose time must come from the rate tables."""
+    return getattr(op, "kind", "view") not in ("view", "collective") and (
+        op.recipe is None or machine.replayed.get(key(op.recipe)) is None)

@@ -267,7 +267,7 @@ def step_time(cfg, device=None, link=None, rank=None, machine=None, bucket_cap_m
     sim = simulated(cfg, heaviest_rank(cfg) if rank is None else rank)
     if device is None and machine.kind == "measured":
         if machine.key and replay.learn(machine, sim.stream):  # this machine's own figures
-            remember(machine)  # the ops it ran here for the first time, for next time
+            remember(machine)  # what it measured here for the first time, for next time
         ranks, slow = cfg.world_size, machine.slowdown(cfg.world_size, os.cpu_count() or 1)
         gbps = _gbps(link) if link is not None else cfg.link_gbps
         wire = (gbps, cfg.link_latency_us) if gbps or cfg.link_latency_us else None
