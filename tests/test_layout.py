@@ -18,7 +18,8 @@ ROOT = Path(ddpkit.__file__).parent
 # part -> the parts it may import (besides itself). Low to high: the shared leaves; what runs
 # inside a rank (rank/) and the training engine (engine/), which know nothing of each other; the
 # config (built on the engine's vocabulary) and the kernel-side runtime (which knows nothing of
-# models); the pitfalls and doctor; the exploring API; the command line and the package root.
+# models); the pitfalls and doctor; the exploring API; the workshop (the curriculum and its
+# check: it launches ranks, nothing more); the command line and the package root.
 LEAVES = {"errors", "devices", "shipping", "slurm"}
 ALLOWED = {
     "errors": set(),
@@ -31,7 +32,9 @@ ALLOWED = {
     "runtime": {"rank", "devices", "errors", "shipping"},
     "pitfalls": {"engine", "config", "runtime", "rank", *LEAVES},
     "explore": {"engine", "config", "runtime", "rank", "pitfalls", *LEAVES},
-    "cli": {"engine", "config", "runtime", "rank", "explore", *LEAVES},
+    # the workshop's check launches real ranks and asks where they would run; nothing more
+    "workshop": {"runtime", "devices"},
+    "cli": {"engine", "config", "runtime", "rank", "explore", "workshop", *LEAVES},
     "__main__": {"cli"},
     "__init__": {"engine", "config", "runtime", "rank", "explore", "pitfalls", *LEAVES},
 }
