@@ -94,18 +94,23 @@ def cores_row(ctx):
 
 
 def memory_row(ctx):
+    """Too little for a notebook of the short track: to fix; for others only: a note naming
+    them (the rest of the curriculum runs)."""
     import psutil
 
     free = psutil.virtual_memory().available
     need = curriculum.memory_needed()
-    short = [curriculum.BY_NAME[n] for n, b in need.items() if b > free]
+    over = [curriculum.BY_NAME[n] for n, b in need.items() if b > free]
     found = (f"{free / curriculum.GiB:.1f} GiB available; the notebooks need up to "
              f"{max(need.values()) / curriculum.GiB:.1f} GiB")
-    if short:
-        most = max(need[nb.name] for nb in short)
-        return (FAIL, found, f"free {(most - free) / curriculum.GiB:.1f} GiB (close other "
-                f"programs) for notebooks {curriculum.numbers(short)}, or skip them")
-    return OK, found, ""
+    if not over:
+        return OK, found, ""
+    most = max(need[nb.name] for nb in over)
+    fix = (f"free {(most - free) / curriculum.GiB:.1f} GiB (close other programs) for "
+           f"notebook{'s' if len(over) > 1 else ''} {curriculum.numbers(over)}, or skip "
+           f"{'them' if len(over) > 1 else 'it'}")
+    track = {name for name, _ in curriculum.SHORT_TRACK}
+    return (FAIL if any(nb.name in track for nb in over) else WARN), found, fix
 
 
 def loopback_row(ctx):
@@ -238,11 +243,12 @@ class Report:
             return f"not ready: fix {', '.join(names)} (below)"
         est = curriculum.estimate_s(self.factor or 1.0)
         long = [curriculum.BY_NAME[n] for n, s in est.items() if s >= curriculum.LONG_S]
+        notes = "; see the notes below" if any(r.status == WARN for r in self.rows) else ""
         if not long:
-            return "ready"
+            return "ready" + notes
         minutes = max(1, round(sum(est[nb.name] for nb in long) / 60))
         return (f"ready, notebook{'s' if len(long) > 1 else ''} {curriculum.numbers(long)} "
-                f"will take about {minutes} min")
+                f"will take about {minutes} min{notes}")
 
     def table(self):
         width = max(len(r.name) for r in self.rows)
