@@ -206,6 +206,34 @@ def test_the_workshop_checks_before_it_starts_jupyterlab(monkeypatch, without, t
     assert missing == 'JupyterLab is not installed: pip install "ddpkit[lab]"'
 
 
+def test_a_stop_that_comes_while_jupyterlab_starts_stops_it(monkeypatch, tmp_path):
+    """SIGTERM (a closed terminal, a kill) as the server's process is made: raised inside
+    Popen it would lose the child, left running with nobody to stop it."""
+    import os
+    import signal
+    import subprocess
+
+    from ddpkit.workshop import lab
+
+    made = []
+
+    def popen(*args, **kw):
+        made.append(real(*args, **kw))
+        os.kill(os.getpid(), signal.SIGTERM)  # handled here, before Popen returns
+        return made[-1]
+
+    real = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    try:
+        assert lab.serve(tmp_path, open_browser=False) == 0
+        assert made[0].poll() is not None  # ended, and waited for
+    finally:
+        for p in _left_in(tmp_path):
+            p.kill()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back
+
+
 def test_the_readme_starts_an_attendee_in_two_commands_and_holds_the_measured_table():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("### At a workshop", 1)[1].split("\n#", 1)[0]

@@ -34,8 +34,9 @@ def report_copy(folder, copied, out):
     out.flush()
 
 
-def workshop(folder, open_browser=True, check=True, out=sys.stdout):
-    """Copy, check, serve; returns the exit code."""
+def workshop(folder, open_browser=True, check=True, out=None):
+    """Copy, check, serve (printing on ``out``, stdout by default); returns the exit code."""
+    out = out or sys.stdout
     folder = Path(folder).resolve()
     report_copy(folder, curriculum.copy_into(folder), out)
     if check:
@@ -69,7 +70,8 @@ class _Signals:
     noted and acted on once the child is known (raised inside ``Popen`` it would lose a child
     already started, left running with nobody to stop it)."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                    if hasattr(signal, name))  # Windows has no SIGHUP
 
     def __enter__(self):
         self.deferring, self.noted = False, None
@@ -102,8 +104,9 @@ class _Signals:
             signal.signal(s, handler)
 
 
-def serve(folder, open_browser=True, out=sys.stdout):
+def serve(folder, open_browser=True, out=None):
     """JupyterLab on 127.0.0.1 in ``folder`` until it ends or ddpkit is stopped."""
+    out = out or sys.stdout
     cmd = [sys.executable, "-m", "jupyterlab", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.root_dir={folder}",
            f"--ServerApp.open_browser={open_browser}"]
