@@ -131,7 +131,7 @@ _row() {
 stage env "$L_ENV" "GPU|backend|SDPA" "$PY" -c '
 import torch, ddpkit
 from ddpkit.devices import cuda_gpus, resolve_devices
-from ddpkit.explore import attention
+from ddpkit.predict import attention
 nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else "not built in"
 cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN", cudnn, "NCCL", nccl)

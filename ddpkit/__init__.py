@@ -4,7 +4,8 @@ The folders are the architecture, and imports point one way (tests/test_layout.p
 ``errors``, ``devices``, ``shipping`` (shared by kernel and ranks) ← ``engine/`` (the training
 engine) and ``rank/`` (inside a rank process) ← ``config`` (built on the engine's vocabulary) and
 ``runtime/`` (the kernel side of a run) ← ``pitfalls/`` (the catalogue and the doctor) ←
-``explore/`` (train, sweep, estimate, plan, the Lab) ← ``cli`` and this file.
+``predict/`` (estimate, the step's peak, plan: nothing runs) ← ``runs/`` (train, sweep, their
+results) ← ``lab/`` (the Lab: widgets and live figures) ← ``cli`` and this file.
 
 Light at import: rank processes import this package too, so the notebook-only parts
 (widgets, plots) and the pitfall runners load on first use.
@@ -14,18 +15,22 @@ from .runtime.handle import RunHandle, RunResult
 from .runtime.launch import launch
 from .runtime.pool import Pool, shutdown
 from .config import TrainConfig
-from .explore.estimate import Estimate, estimate
+from .predict.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import
-from .explore.plan import fits, largest_micro_batch, plan
+from .predict.fits import fits, largest_micro_batch
+from .predict.plan import plan
+from .predict.calibrate import calibrate
 from .engine.policies import CheckpointSetting
 from .rank.context import Context
-from .explore.api import TrainResult, sweep, train
+from .runs.result import TrainResult
+from .runs.sweep import sweep
+from .runs.train import train
 
 __version__ = "0.1.0"
 
 # loaded on first use: name -> module (the attribute of the same name, or the module itself)
-_LAZY = {"Lab": ".explore.widgets", "LivePlots": ".explore.plots", "pitfalls": ".pitfalls",
-         "tradeoff": ".explore.demo", "comm_figure": ".explore.zero"}
+_LAZY = {"Lab": ".lab.lab", "LivePlots": ".lab.plots", "pitfalls": ".pitfalls",
+         "tradeoff": ".runs.demo", "comm_figure": ".runs.figures"}
 
 
 def __getattr__(name):
@@ -36,7 +41,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError",
+__all__ = ["CheckpointSetting", "calibrate", "Context", "Estimate", "Finding", "Pool", "RankError",
            "RankStalled", "RunHandle", "RunResult", "TraceError", "TrainConfig", "TrainResult",
            "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan", "shutdown",
            "sweep", "train"]

@@ -15,8 +15,14 @@ import sys
 
 from .config import TrainConfig
 from .devices import under_torchrun
+from .engine.loop import train_rank
 from .engine.policies import CheckpointSetting
-from .explore.demo import DEMO_STEPS
+from .predict.units import MIB, fmt_bytes
+from .rank.context import format_record
+from .rank.entry import start_job, torchrun_context, torchrun_main
+from .runs.demo import DEMO_STEPS, demo
+from .runs.result import TrainResult
+from .runs.train import train
 
 
 def _checkpoint_arg(text):
@@ -67,9 +73,6 @@ def _config_from(args):
 
 
 def _train_under_torchrun(args):
-    from .engine.loop import train_rank
-    from .rank.entry import start_job, torchrun_context, torchrun_main
-
     ctx = torchrun_context(seed=args.seed, backend=args.backend, device=args.device)
     cfg = _config_from(args)
     if cfg.world_size != ctx.world_size:  # torchrun decides the world size
@@ -93,8 +96,6 @@ def _train_under_torchrun(args):
 def _train(args):
     if under_torchrun():
         return _train_under_torchrun(args)
-    from .explore.api import train
-
     cfg = _config_from(args)
     progress = Progress(cfg, args.verbose)
     try:
@@ -128,8 +129,6 @@ class Progress:
             self.started = True
             self.bar.reset()
             self.bar.set_description("train", refresh=False)
-        from .explore.units import MIB
-
         # memory: the last measured peak (the probe runs every peak_every steps), else the
         # model states plus this step's activations
         states = sum(record.get(k, 0) for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
@@ -138,8 +137,6 @@ class Progress:
                                  f"{1000 * record['step_time_s']:.1f} ms/step", refresh=False)
         self.bar.update(1)
         if self.verbose:
-            from .rank.context import format_record
-
             if "checkpoint" in record:  # the setting's one text form, as the CLI takes it
                 text = str(self.cfg.setting(record["checkpoint"]))
                 record = {**record, "checkpoint": text}
@@ -151,9 +148,6 @@ class Progress:
 
 def summary_table(cfg, records):
     """What a run came to, in human units (rank 0, medians over the steps after the first)."""
-    from .explore.api import TrainResult
-    from .explore.units import fmt_bytes
-
     s = TrainResult(cfg, records, None).summary()
     m0 = [m for m in records if m["rank"] == 0]
     rows = [("steps", f"{len(m0)} of {cfg.steps}, {cfg.world_size} ranks, global batch "
@@ -179,8 +173,6 @@ def summary_table(cfg, records):
 
 
 def _demo(args):
-    from .explore.demo import demo
-
     demo(out=args.out, steps=args.steps)
 
 
@@ -193,7 +185,7 @@ def _check(args):
 
 
 def _workshop(args):
-    from .workshop.lab import workshop
+    from .workshop.jupyter import workshop
 
     return workshop(args.dir, open_browser=not args.no_browser, check=not args.no_check)
 

@@ -1,4 +1,4 @@
-"""What each SDPA kernel saves for backward (`ddpkit.explore.attention`), checked on CPU: the
+"""What each SDPA kernel saves for backward (`ddpkit.predict.attention`), checked on CPU: the
 CUDA kernels' rows against their aten ops run on meta tensors (the meta functions of
 torch/_meta_registrations.py give the shapes, the ops' autograd formulas what is saved); the
 CPU row against a real CPU run; the trace's stand-in against torch's own SDPA; and the estimate
@@ -13,8 +13,8 @@ from torch.nn.attention import SDPBackend
 import ddpkit
 from ddpkit import devices
 from ddpkit.engine.policies import CheckpointSetting
-from ddpkit.explore import attention as A
-from ddpkit.explore.estimate import activation_bytes, estimate, trace_activations
+from ddpkit.predict import attention as A
+from ddpkit.predict.estimate import activation_bytes, estimate, trace_activations
 
 SM80, H200 = A.CudaTarget((8, 0)), A.CudaTarget((9, 0), cudnn=91600, cuda="12.8")
 
@@ -200,5 +200,5 @@ def test_where_cuda_runs_math_the_estimate_traces(gpus):
     assert (on_cpu.method, on_gpu.method) == ("formula", "traced")
     assert on_gpu.activations > on_cpu.activations  # math keeps the attention matrix
     with pytest.raises(ValueError, match="math kernel.*estimate\\(cfg\\) traces"):
-        from ddpkit.explore.estimate import activation_parts
+        from ddpkit.predict.estimate import activation_parts
         activation_parts(cfg)

@@ -102,7 +102,7 @@ def test_to_torchrun_prints_a_cluster_command():
 
 
 def test_demo_writes_a_self_contained_report(tmp_path, capsys):
-    from ddpkit.explore.demo import demo
+    from ddpkit.runs.demo import demo
     out = tmp_path / "report.html"
     table = demo(out=str(out), steps=3, segments=[None, 2], n_blocks=4, width=32, seq_len=16,
                  progress=False)

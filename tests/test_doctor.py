@@ -381,7 +381,7 @@ def test_a_transformers_causal_lm_as_it_ships_gets_notes_only(recwarn):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ddpkit.explore.api import check_config
+    from ddpkit.runs.train import check_config
 
     def make():
         return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=64,

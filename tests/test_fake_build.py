@@ -15,8 +15,8 @@ from torch.nn.init import trunc_normal_
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
 import families
-from ddpkit.explore.trace import traced as _traced
-from ddpkit.explore.peak import simulate
+from ddpkit.predict.trace import traced as _traced
+from ddpkit.predict.simulate import simulate
 
 pytest.importorskip("transformers")
 

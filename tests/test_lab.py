@@ -6,7 +6,7 @@ import time
 import pytest
 
 import ddpkit
-from ddpkit.explore.plots import thin
+from ddpkit.lab.plots import thin
 
 CFG = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accum_steps=1,
            steps=6, peak_every=3)
@@ -357,7 +357,7 @@ def test_the_readout_shows_the_steps_predicted_peak(lab):
     # the simulated step runs on the read-out's own thread: the kernel is not held up
     _until(lambda: "the step's peak" in lab.estimate_html.value)
     text = html.unescape(lab.estimate_html.value)
-    assert f"the step's peak</b>: {ddpkit.explore.units.fmt_bytes(want.bytes)} in the " \
+    assert f"the step's peak</b>: {ddpkit.predict.units.fmt_bytes(want.bytes)} in the " \
            f"{want.phase}" in text
 
 
@@ -388,7 +388,7 @@ def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
         for name, x in zip(trace.y, trace.x):
             bars[name] = bars.get(name, 0) + x
     assert set(bars) == {"r0 measured", "r1 measured", "r0 predicted"}
-    unit = dict(ddpkit.explore.units.UNITS)[panel.figure.layout.xaxis.title.text]
+    unit = dict(ddpkit.predict.units.UNITS)[panel.figure.layout.xaxis.title.text]
     assert bars["r0 measured"] * unit == pytest.approx(last[0]["peak_bytes"], rel=1e-9)
 
 
@@ -456,7 +456,7 @@ def test_every_widget_of_a_lab_opens_with_its_whole_state(extra, opening):
         assert opened[lab.controls["segments"].comm.comm_id]["value"] == (
             checkpoint if isinstance(checkpoint, int) else 0)
         # the read-out opened saying what the controls say (a micro batch of 64, not 100)
-        assert opened[lab.estimate_html.comm.comm_id]["value"] == ddpkit.explore.lab_config \
+        assert opened[lab.estimate_html.comm.comm_id]["value"] == ddpkit.lab.controls \
             .readout(lab.config)[0]
         assert list(opened[lab.traceback.comm.comm_id]["titles"]) == ["traceback"]
 

@@ -103,7 +103,7 @@ def test_the_block_control_groups_blocks_by_stack():
     grid, the toggles one list in model order, so the setting counts blocks as the model does."""
     import ipywidgets as W
 
-    from ddpkit.explore.lab_blocks import BlockControl
+    from ddpkit.lab.blocks import BlockControl
 
     ctl = BlockControl([("encoder.layer", [f"encoder.layer.{i}" for i in range(3)]),
                         ("decoder.layer", [f"decoder.layer.{i}" for i in range(2)])])

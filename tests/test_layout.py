@@ -18,8 +18,9 @@ ROOT = Path(ddpkit.__file__).parent
 # part -> the parts it may import (besides itself). Low to high: the shared leaves; what runs
 # inside a rank (rank/) and the training engine (engine/), which know nothing of each other; the
 # config (built on the engine's vocabulary) and the kernel-side runtime (which knows nothing of
-# models); the pitfalls and doctor; the exploring API; the workshop (the curriculum and its
-# check: it launches ranks, nothing more); the command line and the package root.
+# models); the pitfalls and doctor; the predictions (nothing runs); real runs and their records;
+# the Lab; the workshop (the curriculum and its check: it launches ranks, nothing more); the
+# command line and the package root.
 LEAVES = {"errors", "devices", "shipping", "slurm"}
 ALLOWED = {
     "errors": set(),
@@ -31,12 +32,15 @@ ALLOWED = {
     "config": {"engine", "devices", "slurm"},
     "runtime": {"rank", "devices", "errors", "shipping"},
     "pitfalls": {"engine", "config", "runtime", "rank", *LEAVES},
-    "explore": {"engine", "config", "runtime", "rank", "pitfalls", *LEAVES},
+    "predict": {"engine", "config", "runtime", *LEAVES},  # runtime: calibrate() runs ranks
+    "runs": {"engine", "config", "runtime", "pitfalls", "predict", *LEAVES},
+    "lab": {"engine", "config", "runtime", "predict", "runs", *LEAVES},
     # the workshop's check launches real ranks and asks where they would run; nothing more
     "workshop": {"runtime", "devices"},
-    "cli": {"engine", "config", "runtime", "rank", "explore", "workshop", *LEAVES},
+    "cli": {"engine", "config", "runtime", "rank", "predict", "runs", "workshop", *LEAVES},
     "__main__": {"cli"},
-    "__init__": {"engine", "config", "runtime", "rank", "explore", "pitfalls", *LEAVES},
+    "__init__": {"engine", "config", "runtime", "rank", "predict", "runs", "lab", "pitfalls",
+                 *LEAVES},
 }
 
 
@@ -120,7 +124,7 @@ def test_the_config_and_the_runtime_know_nothing_of_each_other():
     # read from the code, not from ALLOWED (a table can be edited to let an import through):
     # the config is data the engine reads; the launcher runs functions, never models
     assert not {"runtime", "rank"} & _parts_imported("config")
-    assert not {"config", "engine", "explore", "pitfalls"} & _parts_imported("runtime")
+    assert not {"config", "engine", "predict", "runs", "lab", "pitfalls"} & _parts_imported("runtime")
     assert not {"rank", "config", "runtime"} & _parts_imported("engine")
     assert not {"engine", "config", "runtime"} & _parts_imported("rank")
 
@@ -191,3 +195,4 @@ def test_tests_bench_and_notebooks_import_this_package_only():
             if origin is not None and ROOT not in Path(origin).resolve().parents:
                 wrong.append(f"{path.name}:{line}: {full} comes from {origin}")
     assert not wrong, "\n".join(wrong)
+

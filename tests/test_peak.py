@@ -187,7 +187,7 @@ def test_plain_ddp_ranks_simulate_alike_so_one_simulation_serves_all():
     """`simulated` gives every plain-DDP rank rank 0's simulated step (same model, same batch
     shapes, a fake group): checked here on each rank's own simulation, with accumulation and
     checkpointing on. ZeRO-1 and FSDP ranks differ, and are simulated each."""
-    from ddpkit.explore.peak import simulate, simulated
+    from ddpkit.predict.peak import simulate, simulated
 
     cfg = ddpkit.TrainConfig(**{**BASE, "accum_steps": 2, "checkpoint": "full"})
     r0, r1 = simulate(cfg, 0), simulate(cfg, 1)
@@ -206,7 +206,7 @@ def test_two_threads_asking_for_one_setting_at_once_share_one_simulation(monkeyp
     import threading
     import time
 
-    from ddpkit.explore import peak
+    from ddpkit.predict import peak
 
     calls, started, real = [], threading.Event(), peak.simulate
 
@@ -241,7 +241,7 @@ def test_a_simulation_leaves_the_collector_as_it_found_it():
     thaws it before the step; a freeze of the user's is left alone."""
     import gc
 
-    from ddpkit.explore.peak import _new_objects_only
+    from ddpkit.predict.simulate import _new_objects_only
 
     assert gc.get_freeze_count() == 0
     with _new_objects_only() as thaw:

@@ -8,8 +8,8 @@ import pytest
 import ddpkit
 import fixtures_module as fm
 from ddpkit.engine.policies import CheckpointSetting
-from ddpkit.explore.estimate import trace_activations, traced_flops
-from ddpkit.explore.plan import GPUS, CUDA_CONTEXT, parse_bytes, usable_bytes
+from ddpkit.predict.estimate import trace_activations, traced_flops
+from ddpkit.predict.gpus import GPUS, CUDA_CONTEXT, parse_bytes, usable_bytes
 
 RUN = dict(world_size=2, micro_batch=4, seq_len=32, optimizer="adamw", steps=3, peak_every=1,
            backend="gloo", device="cpu")
@@ -28,7 +28,7 @@ def truth(cfg, setting):
 
 
 def test_the_plan_is_the_cheapest_frontier_choice_whose_peak_fits():
-    from ddpkit.explore.plan import _choice, _figures
+    from ddpkit.predict.plan import _choice, _figures
 
     for cfg in configs():
         fig = _figures(cfg)
@@ -122,7 +122,7 @@ def test_bad_budgets_name_the_fix(value, message):
 
 def test_budget_strings_and_unknown_gpus():
     assert parse_bytes("12GiB") == 12 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
-    with pytest.raises(ValueError, match=r"gpu='Z80' is not a card ddpkit knows; pass one of T4, .* \(ddpkit.explore.plan.GPUS\)"):
+    with pytest.raises(ValueError, match=r"gpu='Z80' is not a card ddpkit knows; pass one of T4, .* \(ddpkit.predict.gpus.GPUS\)"):
         ddpkit.estimate(ddpkit.TrainConfig()).fits("Z80")
 
 
@@ -133,7 +133,7 @@ def test_the_largest_micro_batch_is_the_edge_of_any_growing_peak(monkeypatch):
     import random
     import types
 
-    from ddpkit.explore import plan
+    from ddpkit.predict import fits
 
     rnd = random.Random(1)
     asked = []
@@ -155,14 +155,14 @@ def test_the_largest_micro_batch_is_the_edge_of_any_growing_peak(monkeypatch):
             return types.SimpleNamespace(bytes=max(by.values()), by_phase=by)
 
         usable = rnd.randint(0, 400_000)
-        monkeypatch.setattr(plan, "_peak", fake_peak)
-        monkeypatch.setattr(plan, "usable_bytes", lambda gpu, usable=usable: usable)
+        monkeypatch.setattr(fits, "predicted_peak", fake_peak)
+        monkeypatch.setattr(fits, "usable_bytes", lambda gpu, usable=usable: usable)
         cfg = types.SimpleNamespace(replace=lambda micro_batch: types.SimpleNamespace(micro_batch=micro_batch))
         want = 0
         for mb in range(1, 4097):
             if max(phases(mb).values()) > usable:
                 break
             want = mb
-        assert plan.largest_micro_batch(cfg, "any") == want, (trial, kind, usable)
+        assert fits.largest_micro_batch(cfg, "any") == want, (trial, kind, usable)
         asked.append(len(seen))
     assert max(asked) <= 16 and sum(asked) / len(asked) < 8, (max(asked), sum(asked) / len(asked))

@@ -4,8 +4,8 @@ import pytest
 
 import ddpkit
 from ddpkit.engine.strategies import FSDP_STRATEGIES
-from ddpkit.explore import zero
-from ddpkit.explore.units import byte_unit
+from ddpkit.predict import zero
+from ddpkit.predict.units import byte_unit
 
 CPU = dict(backend="gloo", device="cpu")
 BASE = dict(model="mlp", n_blocks=4, width=64, micro_batch=4, optimizer="adamw", lr=1e-3,

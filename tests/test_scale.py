@@ -6,9 +6,9 @@ import pytest
 
 import ddpkit
 from ddpkit.engine.policies import CheckpointSetting
-from ddpkit.explore import scale
-from ddpkit.explore.peak import simulate
-from ddpkit.explore.trace import traced
+from ddpkit.predict import scale
+from ddpkit.predict.simulate import simulate
+from ddpkit.predict.trace import traced
 
 CPU = dict(backend="gloo", device="cpu")
 

@@ -65,7 +65,7 @@ def test_bad_text_and_bad_values_name_the_fix():
                                         r"build one with CheckpointSetting.of\(value, n_blocks\)"):
         CheckpointPolicy(2)
     with pytest.raises(TypeError, match=r"pass a CheckpointSetting \(CheckpointSetting.of\(2, 4\)\)"):
-        ddpkit.explore.estimate.activation_bytes(ddpkit.TrainConfig(), 2)
+        ddpkit.predict.estimate.activation_bytes(ddpkit.TrainConfig(), 2)
 
 
 # --- the estimate: one input per checkpointed segment
@@ -120,7 +120,7 @@ def gpt2_8():
 
 
 def test_the_peak_rises_with_segment_length_as_for_checkpoint_sequential(pool):
-    from ddpkit.explore.plan import cost
+    from ddpkit.predict.plan import cost
 
     run = dict(world_size=2, micro_batch=8, steps=2, seq_len=32, peak_every=1, backend="gloo",
                device="cpu")
@@ -138,7 +138,7 @@ def test_the_peak_rises_with_segment_length_as_for_checkpoint_sequential(pool):
 
 
 def test_a_region_brings_its_whole_inside_back_at_once():
-    from ddpkit.explore.plan import _Blocks, _choice
+    from ddpkit.predict.plan import _Blocks, _choice
 
     # blocks 0-2 keep 10 each (boundary 1), block 3 keeps 4: with s=2 the plain segment (blocks
     # 2-3) holds less than the region of blocks 0-1 brings back while it is recomputed

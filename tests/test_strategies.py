@@ -3,7 +3,7 @@ import pytest
 
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
-from ddpkit.explore.estimate import estimate
+from ddpkit.predict.estimate import estimate
 
 # pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
 CPU = dict(backend="gloo", device="cpu")

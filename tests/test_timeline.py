@@ -8,7 +8,7 @@ import torch
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
 from ddpkit.engine.timeline import ring_allreduce_s
-from ddpkit.explore.timeline import rebuilt_buckets, versus_ddp
+from ddpkit.runs.timeline import rebuilt_buckets, versus_ddp
 
 CPU = dict(backend="gloo", device="cpu")
 # 4 blocks of 2 MiB of weights each: 1 MiB buckets make about 9 of them

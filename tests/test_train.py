@@ -7,7 +7,7 @@ import torch
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
 from ddpkit.engine.policies import CheckpointSetting
-from ddpkit.explore.estimate import activation_bytes, estimate, param_count
+from ddpkit.predict.estimate import activation_bytes, estimate, param_count
 from ddpkit.engine.models import build_model
 
 # pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
@@ -149,7 +149,7 @@ def test_bf16_autocast_runs_on_cpu(pool):
 
 def test_sweep_gives_one_row_per_combination(pool):
     import pandas as pd
-    from ddpkit.explore.api import SWEEP_COLUMNS
+    from ddpkit.runs.sweep import SWEEP_COLUMNS
 
     table = ddpkit.sweep(ddpkit.TrainConfig(**{**TINY, "steps": 3}), pool=pool,
                          checkpoint=[None, 2], accum_steps=[1, 2], progress=False)
@@ -192,7 +192,7 @@ def test_sweep_progress_shows_only_the_current_settings_loss(pool, capfd):
 
 def test_tradeoff_marks_the_pareto_frontier():
     import pandas as pd
-    from ddpkit.explore.demo import pareto
+    from ddpkit.runs.demo import pareto
 
     # cost, memory: (1.0, 10) (1.1, 6) (1.2, 8: beaten by 1.1) (1.3, 3)
     assert pareto([1.0, 1.1, 1.2, 1.3], [10, 6, 8, 3]) == [0, 1, 3]
@@ -238,10 +238,10 @@ def test_train_refuses_a_pool_of_another_size(pool):
 
 def test_estimate_stays_the_function_after_its_module_is_imported():
     import importlib
-    importlib.import_module("ddpkit.explore.estimate")
+    importlib.import_module("ddpkit.predict.estimate")
     cfg = ddpkit.TrainConfig(**TINY)
     assert ddpkit.estimate(cfg) == ddpkit.estimate(cfg)
-    assert ddpkit.train.__module__ == "ddpkit.explore.api" and callable(ddpkit.train)
+    assert ddpkit.train.__module__ == "ddpkit.runs.train" and callable(ddpkit.train)
 
 
 def test_train_runs_doctor_first_and_keeps_its_findings(pool):
@@ -258,7 +258,7 @@ def test_doctor_leaves_the_kernel_rng_alone():
     torch.manual_seed(1234)
     expected = torch.rand(1)
     torch.manual_seed(1234)
-    from ddpkit.explore.api import check_config
+    from ddpkit.runs.train import check_config
     check_config(ddpkit.TrainConfig(**TINY))
     assert torch.rand(1) == expected
 
@@ -273,7 +273,7 @@ def test_the_recompute_ratio_follows_torchs_early_stop_switch():
     """The traced FLOPs are memoised per setting, yet torch's early-stop switch (a global) changes
     what a recompute runs: with it off, non-reentrant checkpointing recomputes all, as reentrant
     does (notebook 02 shows it)."""
-    from ddpkit.explore.api import recompute_flops_ratio
+    from ddpkit.runs.sweep import recompute_flops_ratio
 
     full = ddpkit.TrainConfig(model="mlp", n_blocks=3, width=32, micro_batch=4,
                               checkpoint="full", backend="gloo", device="cpu")

@@ -190,7 +190,7 @@ def test_packages_of_mismatched_versions_are_named(monkeypatch):
 
 def test_the_workshop_checks_before_it_starts_jupyterlab(monkeypatch, without, tmp_path,
                                                         capsys):
-    from ddpkit.workshop.lab import workshop
+    from ddpkit.workshop.jupyter import workshop
 
     def refuse(self, address):
         raise OSError(99, "Cannot assign requested address")
@@ -213,7 +213,7 @@ def test_a_stop_that_comes_while_jupyterlab_starts_stops_it(monkeypatch, tmp_pat
     import signal
     import subprocess
 
-    from ddpkit.workshop import lab
+    from ddpkit.workshop import jupyter
 
     made = []
 
@@ -226,7 +226,7 @@ def test_a_stop_that_comes_while_jupyterlab_starts_stops_it(monkeypatch, tmp_pat
     monkeypatch.setattr(subprocess, "Popen", popen)
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     try:
-        assert lab.serve(tmp_path, open_browser=False) == 0
+        assert jupyter.serve(tmp_path, open_browser=False) == 0
         assert made[0].poll() is not None  # ended, and waited for
     finally:
         for p in _left_in(tmp_path):

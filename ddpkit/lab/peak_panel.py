@@ -1,0 +1,140 @@
+"""The Lab's peak panel, beside the memory plot: each rank's last probed peak, measured beside
+predicted with the error in %, and one stacked bar of what each is made of (the ledger).
+
+Predictions come from `ddpkit.predict.peak` (the rank's step simulated on fake tensors), one per
+(checkpoint setting, accumulation steps, step 0 or steady, rank) a record asks for, worked out on
+a thread of the panel's own (a cold simulation takes seconds at real sizes), so neither the
+kernel nor the figures wait for them. Redrawn at most once a second.
+"""
+from __future__ import annotations
+
+import html
+import queue
+import threading
+import time
+
+from ..engine.memory import KINDS
+from . import background
+from .fit import figure
+from ..predict.estimate import estimate
+from ..predict.units import byte_unit, fmt_bytes
+
+KIND_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#e45756",
+               "ddp_buckets": "#72b7b2", "fsdp_buffers": "#54a24b", "activations": "#eeca3b",
+               "temporaries": "#b279a2", "other": "#bab0ac"}
+
+
+def _key(rec):
+    """What a record's prediction depends on: its setting, accumulation, step and rank."""
+    checkpoint = rec.get("checkpoint")
+    checkpoint = tuple(checkpoint) if isinstance(checkpoint, list) else checkpoint
+    return checkpoint, rec.get("accum_steps"), min(rec["step"], 1), rec["rank"]
+
+
+class PeakPanel:
+    """``widget``: the stacked bar and the table. ``new_run(cfg)``, ``add(record)`` (from the
+    drain thread), ``refresh()`` (from the Lab's refresher)."""
+
+    def __init__(self, height=330, min_period=1.0):
+        import ipywidgets as W
+
+        self.min_period = min_period
+        self.figure = figure(dict(
+            title=dict(text="what the peak is made of", x=0.01, xanchor="left", y=0.98,
+                       yanchor="top", font=dict(size=14)),
+            barmode="stack", height=height - 70, autosize=True, template="plotly_white",
+            legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=10)),
+            margin=dict(t=92, b=36, l=96, r=16), xaxis=dict(title=dict(text="MiB", standoff=4))))
+        self.table = W.HTML()
+        self.widget = W.VBox([self.figure, self.table], layout=W.Layout(min_width="0"))
+        self.cfg, self.last, self.predicted = None, {}, {}
+        self._lock = threading.Lock()
+        self._asked = set()
+        self._todo = queue.Queue()
+        self._drawn = 0.0
+        self._dirty = False
+        threading.Thread(target=self._predict_forever, name="ddpkit-peak-panel",
+                         daemon=True).start()
+
+    def new_run(self, cfg):
+        with self._lock:
+            self.cfg, self.last, self._dirty = cfg, {}, True
+        self.table.value = ""
+
+    def add(self, record):
+        if "peak_bytes" not in record or self.cfg is None:
+            return
+        key = _key(record)
+        with self._lock:
+            self.last[record["rank"]] = record
+            self._dirty = True
+            cfg = self.cfg
+            ask = (id(cfg), key) not in self._asked
+            self._asked.add((id(cfg), key))
+        if ask:
+            self._todo.put((cfg, key))
+
+    def _predict_forever(self):
+        while True:
+            cfg, key = self._todo.get()
+            checkpoint, accum, step, rank = key
+            try:
+                run = cfg.replace(checkpoint=list(checkpoint) if isinstance(checkpoint, tuple)
+                                  else checkpoint, accum_steps=accum)
+                # the trace and the simulated step: Python's end waits for them
+                peak = background.run(lambda: estimate(run).peak(step=step, rank=rank))
+            except Exception as exc:  # shown in the table, never raised into a thread
+                peak = exc
+            with self._lock:
+                self.predicted[id(cfg), key] = peak
+                self._dirty = True
+
+    def refresh(self, force=False):
+        """Redraw if something changed (at most once per ``min_period`` unless ``force``)."""
+        now = time.monotonic()
+        if not self._dirty or (not force and now - self._drawn < self.min_period):
+            return False
+        with self._lock:
+            self._dirty = False
+            cfg, last = self.cfg, dict(self.last)
+            pairs = [(rec, self.predicted.get((id(cfg), _key(rec)))) for _, rec in
+                     sorted(last.items())]
+        self._drawn = now
+        self._draw(pairs)
+        return True
+
+    def _draw(self, pairs):
+        bars = [(f"r{rec['rank']} measured", rec["peak_ledger"]) for rec, _ in pairs]
+        done = [(rec, p) for rec, p in pairs if p is not None and not isinstance(p, Exception)]
+        if done:
+            bars.append((f"r{done[0][0]['rank']} predicted", done[0][1].ledger))
+        unit, size = byte_unit(max((sum(ledger.values()) for _, ledger in bars), default=1))
+        names = [name for name, _ in bars]
+        with self.figure.batch_update():
+            self.figure.data = []
+            for kind in KINDS:
+                xs = [ledger.get(kind, 0) / size for _, ledger in bars]
+                if any(xs):
+                    self.figure.add_bar(y=names, x=xs, name=kind.replace("_", " "),
+                                        orientation="h", marker_color=KIND_COLORS[kind])
+            self.figure.layout.xaxis.title.text = unit
+        self.table.value = _table(pairs)
+
+
+def _table(pairs):
+    rows = []
+    for rec, p in pairs:
+        measured = f"{fmt_bytes(rec['peak_bytes'])} in the {rec['peak_phase']}"
+        if p is None:
+            predicted, err = "simulating...", ""
+        elif isinstance(p, Exception):
+            predicted, err = html.escape(f"{type(p).__name__}: {p}"), ""
+        else:
+            predicted = f"{fmt_bytes(p.bytes)} in the {p.phase}"
+            err = f"{100 * (p.bytes - rec['peak_bytes']) / rec['peak_bytes']:+.2f}%"
+        rows.append(f"<tr><td>rank {rec['rank']}, step {rec['step']}</td><td>{measured}</td>"
+                    f"<td>{predicted}</td><td>{err}</td></tr>")
+    head = ("<tr><th>last probe</th><th>peak, measured</th><th>predicted</th>"
+            "<th>error</th></tr>")
+    return (f"<table style='font-size:12px;border-collapse:collapse'>{head}{''.join(rows)}"
+            f"</table>")

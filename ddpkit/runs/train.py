@@ -1,0 +1,92 @@
+"""`train`: a real DDP training run of a config, measured per rank and per step.
+
+The kernel side of training: check the config (`preflight`, the doctor), launch
+`ddpkit.engine.loop.train_rank` on the ranks (spawned, or a warm pool), and gather the records
+into a `TrainResult` (`result.py`); `sweep.py` does that once per combination of a grid.
+"""
+from __future__ import annotations
+
+import warnings
+
+from ..config import TrainConfig
+from ..devices import resolve_devices
+from ..engine import rng, saving
+from ..engine.data import check_length, make_dataset
+from ..engine.loop import train_rank
+from ..pitfalls.doctor import doctor
+from ..runtime.launch import launch
+from ..runtime.pool import Pool, launch_shared
+from .result import TrainResult
+
+
+def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, resume_from=None,
+          check=True, **launch_kw):
+    """Train ``cfg`` on ``cfg.world_size`` ranks.
+
+    pool: None (the default) runs on the kernel's shared warm pool for these ranks (started on
+    first use, a fresh launch while it is busy with another run; `ddpkit.shutdown` ends it);
+    False launches fresh ranks for this run alone; a `ddpkit.Pool` runs on that pool.
+    resume_from: a save_dir (resumes from its latest complete checkpoint) or a checkpoint
+    folder; the run continues at the step after it, with the same data, RNG and optimizer.
+    check: run `ddpkit.doctor` on the config first: the model built on this process and run
+    once forward and backward at a micro-batch of at most 2 and at most 16 tokens (about 10 ms
+    for the built-ins; building a large model is most of it: GPT-2 small takes 2.5 s and about
+    500 MB here). Its warnings are warned about, and every finding (notes too) is kept in
+    ``TrainResult.findings``; ``check=False`` skips it.
+    """
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"train() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
+                        f"build one with ddpkit.TrainConfig(...)")
+    kw = dict(on_metric=on_metric, block=block, stall_timeout_s=cfg.stall_timeout_s,
+              seed=cfg.seed, **launch_kw)
+    if pool is None or pool is True:
+        # a port of your choosing is one launch's own: shared ranks already have theirs
+        pool = False if "port" in launch_kw else None
+    if pool is None or pool is False:
+        kw.update(world_size=cfg.world_size, backend=cfg.backend, device=cfg.device)
+    elif not isinstance(pool, Pool):
+        raise TypeError(f"pool={pool!r}: pass None (the shared warm pool), False (fresh ranks) "
+                        f"or a ddpkit.Pool")
+    elif pool.world_size != cfg.world_size:
+        raise ValueError(f"TrainConfig.world_size={cfg.world_size} but the pool has "
+                         f"{pool.world_size} ranks; pass a matching pool or pool=None")
+    else:
+        backend, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
+        if (backend, device) != (pool.backend, pool.device):
+            raise ValueError(f"TrainConfig asks for {backend} on {device}, the pool runs "
+                             f"{pool.backend} on {pool.device}; pass a matching pool or pool=None")
+    if resume_from is not None:  # refused here, before any rank starts, if it does not fit
+        resume_from = str(saving.check_resume(cfg, resume_from))
+    preflight(cfg)
+    findings = check_config(cfg) if check else []
+    if pool is None:
+        run = launch_shared(train_rank, cfg, live=live, resume_from=resume_from, **kw)
+    else:
+        run = launch(train_rank, cfg, live=live, pool=pool or None, resume_from=resume_from, **kw)
+    if not block:
+        run.findings = findings
+        return run
+    return TrainResult(cfg, run.metrics, run.returns[0], run, findings)
+
+
+def preflight(cfg):
+    """What the kernel can check of your model before any rank starts: the data fill a global
+    batch. (What ddpkit switches off on your model, its own checkpointing and its KV cache,
+    `spec.prepare_for_training`, the doctor reports: a note, or a warning where the factory
+    would crash in a trainer of your own.)"""
+    if cfg.builtin:
+        return
+    check_length(cfg, make_dataset(cfg))
+
+
+def check_config(cfg):
+    """`ddpkit.doctor` on the config's model: warns once per finding to act on (a note, what
+    ddpkit already did about something, is only returned); returns every finding."""
+    # the hazards are structural: a micro-batch of 2 (short sequences) finds them as well, and
+    # the kernel's RNG is left as it was (building the model seeds it)
+    small = cfg.replace(micro_batch=min(cfg.micro_batch, 2), seq_len=min(cfg.seq_len, 16))
+    with rng.forked():
+        findings = doctor(small)
+    for f in findings.warnings:
+        warnings.warn(f"ddpkit.doctor: {f!r}", stacklevel=3)
+    return findings
