@@ -1,4 +1,5 @@
-"""Command line: ``python -m ddpkit train ...`` (or ``ddpkit train``) and ``ddpkit demo``.
+"""Command line: ``python -m ddpkit train ...`` (or ``ddpkit train``), ``ddpkit demo``, and for a
+workshop ``ddpkit check`` and ``ddpkit workshop [DIR]`` (``ddpkit/workshop/``).
 
 ``train`` takes one flag per TrainConfig field. Run plainly, it spawns ``--world-size`` ranks
 with ddpkit's launcher. Run under torchrun (``torchrun --nproc-per-node N -m ddpkit train ...``)
@@ -175,6 +176,20 @@ def _demo(args):
     demo(out=args.out, steps=args.steps)
 
 
+def _check(args):
+    from .workshop.check import run
+
+    report = run()
+    print(json.dumps(report.as_json(), indent=1) if args.json else report.table())
+    return 0 if report.ready else 1
+
+
+def _workshop(args):
+    from .workshop.jupyter import workshop
+
+    return workshop(args.dir, open_browser=not args.no_browser, check=not args.no_check)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="ddpkit", description="DDP + checkpointing explorer")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,9 +201,21 @@ def main(argv=None):
     d.add_argument("--out", default="ddpkit-report.html")
     d.add_argument("--steps", type=int, default=DEMO_STEPS,
                    help="steps per setting (the step-time medians need a few dozen)")
+    c = sub.add_parser("check", help="can this machine run the workshop's notebooks? "
+                                     "(seconds; exit 0: ready, 1: what to fix)")
+    c.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object (the progress stays on stderr)")
+    w = sub.add_parser("workshop", help="copy the notebooks into DIR (keeping yours), check "
+                                        "this machine, start JupyterLab there (127.0.0.1)")
+    w.add_argument("dir", nargs="?", default="ddpkit-workshop", metavar="DIR",
+                   help="the folder for the notebooks (default: ./ddpkit-workshop)")
+    w.add_argument("--no-browser", action="store_true",
+                   help="open no browser: print JupyterLab's URL (with its token)")
+    w.add_argument("--no-check", action="store_true", help="skip the check (ddpkit check)")
     args = parser.parse_args(argv)
     try:
-        return {"train": _train, "demo": _demo}[args.command](args)
+        return {"train": _train, "demo": _demo, "check": _check,
+                "workshop": _workshop}[args.command](args)
     except ValueError as exc:  # config errors already name the field and the fix
         parser.exit(2, f"ddpkit: error: {exc}\n")
 

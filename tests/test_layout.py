@@ -19,7 +19,8 @@ ROOT = Path(ddpkit.__file__).parent
 # inside a rank (rank/) and the training engine (engine/), which know nothing of each other; the
 # config (built on the engine's vocabulary) and the kernel-side runtime (which knows nothing of
 # models); the pitfalls and doctor; the predictions (nothing runs); real runs and their records;
-# the Lab; the command line and the package root.
+# the Lab; the workshop (the curriculum and its check: it launches ranks, nothing more); the
+# command line and the package root.
 LEAVES = {"errors", "devices", "shipping", "slurm"}
 ALLOWED = {
     "errors": set(),
@@ -34,7 +35,9 @@ ALLOWED = {
     "predict": {"engine", "config", "runtime", *LEAVES},  # runtime: calibrate() runs ranks
     "runs": {"engine", "config", "runtime", "pitfalls", "predict", *LEAVES},
     "lab": {"engine", "config", "runtime", "predict", "runs", *LEAVES},
-    "cli": {"engine", "config", "runtime", "rank", "predict", "runs", *LEAVES},
+    # the workshop's check launches real ranks and asks where they would run; nothing more
+    "workshop": {"runtime", "devices"},
+    "cli": {"engine", "config", "runtime", "rank", "predict", "runs", "workshop", *LEAVES},
     "__main__": {"cli"},
     "__init__": {"engine", "config", "runtime", "rank", "predict", "runs", "lab", "pitfalls",
                  *LEAVES},
