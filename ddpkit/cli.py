@@ -146,6 +146,14 @@ class Progress:
         self.bar.close()
 
 
+def _predicted(summary):
+    """The step time predicted for the run's config, where it was (`ddpkit.runs.predicted`)."""
+    if "predicted_step_s" not in summary:
+        return ""
+    return (f"; predicted {1000 * summary['predicted_step_s']:.2f} ms "
+            f"(estimate(cfg).step_time(), this machine's calibration)")
+
+
 def summary_table(cfg, records):
     """What a run came to, in human units (rank 0, medians over the steps after the first)."""
     s = TrainResult(cfg, records, None).summary()
@@ -154,13 +162,15 @@ def summary_table(cfg, records):
                       f"{cfg.global_batch}"),
             ("final loss", f"{s['final_loss']:.4f} (mean over ranks)"),
             ("step time", f"{1000 * s['step_time_s']:.2f} ms median, IQR "
-                          f"{1000 * s['step_time_iqr_s']:.2f} ms"),
+                          f"{1000 * s['step_time_iqr_s']:.2f} ms" + _predicted(s)),
             ("samples/s", f"{cfg.global_batch / s['step_time_s']:.0f}"),
             ("checkpoint", cfg.checkpointing.label())]
     if "activation_bytes" in s:
         rows.append(("activations", f"{fmt_bytes(s['activation_bytes'])} per rank"))
     if "peak_bytes" in s:
-        rows.append(("peak memory", f"{fmt_bytes(s['peak_bytes'])} per rank"))
+        predicted = (f"; predicted {fmt_bytes(s['predicted_peak_bytes'])}"
+                     if "predicted_peak_bytes" in s else "")
+        rows.append(("peak memory", f"{fmt_bytes(s['peak_bytes'])} per rank{predicted}"))
     last = m0[-1]
     rows.append(("model states", f"params {fmt_bytes(last['param_bytes'])}, grads "
                                  f"{fmt_bytes(last['grad_bytes'])}, optimizer "
@@ -173,7 +183,7 @@ def summary_table(cfg, records):
 
 
 def _demo(args):
-    demo(out=args.out, steps=args.steps)
+    demo(out=args.out, steps=args.steps, predict=not args.no_predict)
 
 
 def _check(args):
@@ -201,6 +211,9 @@ def main(argv=None):
     d.add_argument("--out", default="ddpkit-report.html")
     d.add_argument("--steps", type=int, default=DEMO_STEPS,
                    help="steps per setting (the step-time medians need a few dozen)")
+    d.add_argument("--no-predict", action="store_true",
+                   help="no step-time predictions, and so no calibration of this machine "
+                        "(30-60 s, once) where it has none")
     c = sub.add_parser("check", help="can this machine run the workshop's notebooks? "
                                      "(seconds; exit 0: ready, 1: what to fix)")
     c.add_argument("--json", action="store_true",

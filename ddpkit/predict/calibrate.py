@@ -135,8 +135,7 @@ def calibrate(refresh=False, progress=True):
     """This machine's `Machine` for CPU ranks (gloo): from the cache when it has one for this
     machine, torch and threads per rank, else measured now (about 30-60 s on 2 cores) and
     kept. ``refresh=True`` measures again."""
-    threads = max(1, (os.cpu_count() or 1) // 2)  # what the launcher gives each of 2+ ranks
-    key = machine_key(threads)
+    key = machine_key(_threads())
     path = cache_path(key)
     if not refresh and path in _LOADED:
         return _LOADED[path]
@@ -168,6 +167,17 @@ def calibrate(refresh=False, progress=True):
     remember(machine)
     _LOADED[path] = machine
     return machine
+
+
+def cached():
+    """This machine's calibration where it has one (in this process, or cached on disk), else
+    None: never measures."""
+    path = cache_path(machine_key(_threads()))
+    return calibrate(progress=False) if path in _LOADED or os.path.exists(path) else None
+
+
+def _threads():
+    return max(1, (os.cpu_count() or 1) // 2)  # what the launcher gives each of 2+ ranks
 
 
 def remember(machine):

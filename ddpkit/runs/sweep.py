@@ -12,6 +12,8 @@ from ..predict.estimate import estimate, traced_flops
 from ..runtime.pool import Pool
 from .train import train
 
+NAN = float("nan")
+
 
 def recompute_flops_ratio(cfg):
     """FLOPs of one micro-batch's forward+backward under cfg's policy over those without
@@ -20,25 +22,33 @@ def recompute_flops_ratio(cfg):
     return traced_flops(cfg) / traced_flops(cfg, cfg.setting(None))
 
 
-SWEEP_COLUMNS = ("final_loss", "step_time_ms", "step_time_iqr_ms", "activation_bytes",
-                 "predicted_activation_bytes", "peak_bytes", "allreduce_calls", "comm_bytes",
-                 "comm_by_op", "recompute_flops_ratio", "result")
+SWEEP_COLUMNS = ("final_loss", "step_time_ms", "predicted_step_ms", "step_time_iqr_ms",
+                 "activation_bytes", "predicted_activation_bytes", "peak_bytes",
+                 "predicted_peak_bytes", "allreduce_calls", "comm_bytes", "comm_by_op",
+                 "recompute_flops_ratio", "result")
 
 
-def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
+def sweep(cfg: TrainConfig, pool=None, progress=True, predict=None, **grid):
     """One run per combination of the grid's values, e.g.
     ``sweep(cfg, checkpoint=[None, 2, 4], accum_steps=[1, 2])``.
 
     Returns a ``pandas.DataFrame``, one row per setting in grid order: a column per grid field
     (``None`` shown as ``"none"``), then ``final_loss``; ``step_time_ms`` (median of rank 0's
-    steps after the first) and ``step_time_iqr_ms`` (their interquartile range: run more
-    ``steps`` when it is wide); ``activation_bytes`` (measured) and
-    ``predicted_activation_bytes`` (`ddpkit.estimate`); ``peak_bytes``; ``allreduce_calls``;
+    steps after the first), ``predicted_step_ms`` (``estimate(cfg).step_time()`` on this
+    machine's calibration; NaN where the setting was not predicted) and ``step_time_iqr_ms``
+    (their interquartile range: run more ``steps`` when it is wide); ``activation_bytes``
+    (measured) and ``predicted_activation_bytes`` (`ddpkit.estimate`); ``peak_bytes`` and
+    ``predicted_peak_bytes`` (``estimate(cfg).peak()``, with the step time's prediction: the
+    same simulated step; else NaN); ``allreduce_calls``;
     ``comm_bytes`` (median bytes a rank sent per step, every collective) and ``comm_by_op``
     (the last step's, by collective);
     ``recompute_flops_ratio`` (FLOPs over those without checkpointing, counted, not timed); and
     ``result``, the run's `TrainResult` (``df.result[0].per_rank("loss")``).
     `ddpkit.tradeoff(df)` draws memory against recompute and step time.
+
+    predict: as `ddpkit.train`'s, for each setting: None (the default) predicts where this
+    machine's calibration is cached, True calibrates first where it is not, False never. Each
+    setting's prediction runs beside its run, at the lowest CPU priority.
 
     progress: a ``tqdm.auto`` bar over every setting's steps (a widget in a notebook, a text bar
     on stderr elsewhere); False for none. pool: None (the default) runs every setting on the
@@ -67,15 +77,17 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, **grid):
             if bar is not None:  # a new setting: no loss shown until its own first step lands
                 bar.set_postfix_str("", refresh=False)
                 bar.set_description(label)
-            res = train(c, pool=run_on, on_metric=_bar_updater(bar))
+            res = train(c, pool=run_on, on_metric=_bar_updater(bar), predict=predict)
             s = res.summary()
             rows.append({**{k: _label(k, v, c) for k, v in combo.items()},
                          "final_loss": s["final_loss"],
                          "step_time_ms": 1000 * s["step_time_s"],
+                         "predicted_step_ms": 1000 * s.get("predicted_step_s", NAN),
                          "step_time_iqr_ms": 1000 * s["step_time_iqr_s"],
                          "activation_bytes": int(s.get("activation_bytes", 0)),
                          "predicted_activation_bytes": estimate(c).activations,
                          "peak_bytes": int(s.get("peak_bytes", 0)),
+                         "predicted_peak_bytes": s.get("predicted_peak_bytes", NAN),
                          "allreduce_calls": int(s.get("allreduce_calls", 0)),
                          "comm_bytes": int(s.get("comm_bytes", 0)),
                          "comm_by_op": s.get("comm_by_op", {}),

@@ -16,11 +16,12 @@ from ..engine.loop import train_rank
 from ..pitfalls.doctor import doctor
 from ..runtime.launch import launch
 from ..runtime.pool import Pool, launch_shared
+from . import predicted
 from .result import TrainResult
 
 
 def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, resume_from=None,
-          check=True, **launch_kw):
+          check=True, predict=None, **launch_kw):
     """Train ``cfg`` on ``cfg.world_size`` ranks.
 
     pool: None (the default) runs on the kernel's shared warm pool for these ranks (started on
@@ -33,6 +34,12 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
     for the built-ins; building a large model is most of it: GPT-2 small takes 2.5 s and about
     500 MB here). Its warnings are warned about, and every finding (notes too) is kept in
     ``TrainResult.findings``; ``check=False`` skips it.
+    predict: the step time and peak predicted beside the run, on a thread of the kernel at the
+    lowest CPU priority (`predicted.py`): None (the default) where this machine's calibration
+    is cached and the ranks are CPU ranks, True also calibrating first where none is (30-60 s,
+    once), False never. Probed records gain ``predicted_step_s`` (and ``predicted_peak_bytes``
+    beside ``peak_bytes``); ``TrainResult.prediction`` holds it (a non-blocking run's handle:
+    ``run.prediction``).
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train() takes a ddpkit.TrainConfig, got {type(cfg).__name__}; "
@@ -59,14 +66,20 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
         resume_from = str(saving.check_resume(cfg, resume_from))
     preflight(cfg)
     findings = check_config(cfg) if check else []
+    prediction = predicted.start(cfg, predict)  # after the doctor: its thread has the kernel
+    if prediction is not None:
+        kw["on_metric"] = prediction.watch(on_metric)
     if pool is None:
         run = launch_shared(train_rank, cfg, live=live, resume_from=resume_from, **kw)
     else:
         run = launch(train_rank, cfg, live=live, pool=pool or None, resume_from=resume_from, **kw)
     if not block:
-        run.findings = findings
+        run.findings, run.prediction = findings, prediction
         return run
-    return TrainResult(cfg, run.metrics, run.returns[0], run, findings)
+    if prediction is not None:  # the ranks are done: it has the cores now
+        prediction.wait(predicted.WAIT_S)
+        prediction.fill()
+    return TrainResult(cfg, run.metrics, run.returns[0], run, findings, prediction)
 
 
 def preflight(cfg):
