@@ -47,8 +47,8 @@ def demo(out="ddpkit-report.html", steps=DEMO_STEPS, segments=SEGMENTS, progress
           f"{cfg.world_size} ranks ({cfg.backend or 'auto'}), micro_batch {cfg.micro_batch} x "
           f"accum {cfg.accum_steps}, {steps} steps per setting, checkpoint segments {segments}",
           flush=True)
-    t0 = time.monotonic()
     predict, step = _calibration(cfg, predict, progress)
+    t0 = time.monotonic()
     df = sweep(cfg, checkpoint=list(segments), progress=progress, predict=predict)
     print(summary_text(df))
     how = how_text(df, cfg, step)

@@ -118,11 +118,14 @@ def predicted_swimlane_figure(timeline, predicted, step=None, link=None):
             fig.add_trace(t, row=row, col=1)
     layout = swimlane_layout(world, step, link, height=lanes_height(world + len(ranks)) + 30)
     fig.update_layout({k: v for k, v in layout.items() if k not in ("xaxis", "yaxis")})
-    g = timeline[timeline.step == step] if step is not None else timeline
-    span = 1e3 * (g.end_s.max() - g.start_s.min()) if not g.empty else float("nan")
-    fig.update_layout(title_text=titled(f"step {step}: measured {span:.1f} ms (above), "
-                                        f"predicted {1e3 * predicted.seconds:.1f} ms (below, "
-                                        f"hatched)", link))
+    guessed = f"predicted {1e3 * predicted.seconds:.1f} ms (below, hatched)"
+    if step is None:  # no probed step: the prediction alone
+        title = f"no step measured (TrainConfig.timeline_every picks them); {guessed}"
+    else:
+        g = timeline[timeline.step == step]
+        title = f"step {step}: measured {1e3 * (g.end_s.max() - g.start_s.min()):.1f} ms " \
+                f"(above), {guessed}"
+    fig.update_layout(title_text=titled(title, link))
     for row, lanes, rng, what in ((1, _lanes(world), [-3 * world + 1.4, 0.6], "measured"),
                                   (2, _lanes(0, ranks), [-3 * ranks[-1] - 1.6, -3 * ranks[0] + 0.6],
                                    "predicted")):
