@@ -15,7 +15,7 @@ import sys
 from .config import TrainConfig
 from .devices import under_torchrun
 from .engine.loop import train_rank
-from .engine.policies import CheckpointSetting
+from .spec.setting import CheckpointSetting
 from .predict.units import MIB, fmt_bytes
 from .rank.context import format_record
 from .rank.entry import start_job, torchrun_context, torchrun_main
@@ -81,7 +81,7 @@ def _train_under_torchrun(args):
         start_job(ctx, cfg.seed)  # seeded as a spawned rank would be
         progress = Progress(cfg, args.verbose) if ctx.is_main else None
         ctx.on_record = progress or (lambda record: None)  # only global rank 0 reports
-        train_rank(ctx, cfg, return_weights=False)  # no kernel here to hand them to
+        train_rank(ctx, cfg.rank_plan(), return_weights=False)  # no kernel here to hand them to
         if ctx.is_main:
             progress.close()
             print(summary_table(cfg, ctx.records))

@@ -1,9 +1,10 @@
 """`TrainConfig`: every switch of a training run, checked when it is built.
 
-A config is plain data (it pickles to the ranks, binds to widgets, prints as a torchrun command).
-Errors name the field and the fix, at construction, before any process starts. It is written in
-the engine's vocabulary (model specs, `CheckpointSetting`, strategy names) and asks `devices`
-where it would run; it knows nothing of launchers, and the engine never imports it.
+A config is plain data (it binds to widgets, prints as a torchrun command). Errors name the field
+and the fix, at construction, before any process starts. It is written in the words of
+`ddpkit.spec` (model specs, `CheckpointSetting`, strategy names) and asks `devices` where it
+would run; it imports nothing of the engine, and the engine never imports it: the kernel hands
+the ranks `rank_plan()`, the `RankPlan` the engine reads.
 """
 from __future__ import annotations
 
@@ -11,16 +12,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .devices import check_bf16, local_world_size, resolve_devices, under_torchrun
-from .engine import spec
-from .engine.blocks import paths_of
-from .engine.models import build_builtin
-from .engine.policies import CheckpointSetting
-from .engine.strategies import COMM_HOOKS, STRATEGIES, is_fsdp, strategy_problem
-
-MODELS = ("mlp", "gpt")
-PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("sgd", "adamw", "zero1")
-PROBES = ("activations", "peak", "comm")
+from .slurm import sbatch_script
+from .spec import model as spec
+from .spec.blocks import paths_of
+from .spec.builtin import build_builtin
+from .spec.names import (COMM_HOOKS, MODELS, OPTIMIZERS, PRECISIONS, PROBES, STRATEGIES, is_fsdp,
+                         strategy_problem)
+from .spec.plan import RankPlan
+from .spec.setting import CheckpointSetting
 
 
 @dataclass
@@ -308,8 +307,8 @@ class TrainConfig:
         if self.builtin:  # one meta build per shape: what build_builtin reads
             shape = (self.n_blocks, self.width, self.mlp_ratio, self.seq_len, self.vocab,
                      self.n_heads, self.dropout)
-            return spec.model_info(self.model, "blocks", build=lambda: build_builtin(self),
-                                   build_key=shape)
+            return spec.model_info(self.model, "blocks", build_key=shape,
+                                   build=lambda: build_builtin(self.model, *shape))
         return spec.model_info(self.model, self.blocks, self.seed)
 
     @property
@@ -330,21 +329,9 @@ class TrainConfig:
         return CheckpointSetting.of(value, self.n_blocks, self.stack_sizes)
 
     @property
-    def loss_fn(self):
-        """The loss callable (None: the conventions of `spec.compute_loss`)."""
-        return spec.resolve(self.loss, "loss")
-
-    @property
     def checkpointing(self):
         """The checkpoint setting as its value type (`CheckpointSetting`)."""
         return self.setting(self.checkpoint)
-
-    def checkpoint_policy(self, setting=None):
-        """The `CheckpointPolicy` of ``setting`` (a `CheckpointSetting`; this config's when not
-        given), checkpointing this config's way (use_reentrant, preserve_rng_state)."""
-        setting = self.checkpointing if setting is None else setting
-        return setting.build(use_reentrant=self.use_reentrant,
-                             preserve_rng_state=self.preserve_rng_state)
 
     def _check_devices(self):
         # under torchrun the world spans machines: this machine runs only its own ranks
@@ -379,6 +366,16 @@ class TrainConfig:
     @property
     def global_batch(self):
         return self.world_size * self.micro_batch * self.accum_steps
+
+    def rank_plan(self):
+        """The `RankPlan` the ranks run: this config's fields, with what it derives worked out
+        (where the blocks are, the checkpoint setting on the model's stacks, the probes)."""
+        engine_reads = {f.name for f in dataclasses.fields(RankPlan)} - {
+            "blocks", "checkpoint", "probes", "n_params", "config"}
+        return RankPlan(**{name: getattr(self, name) for name in engine_reads},
+                        blocks=self.blocks_path, checkpoint=self.checkpointing,
+                        probes=frozenset(self.probes),
+                        n_params=None if self.builtin else self.info.n_params, config=self)
 
     def replace(self, **changes):
         """A copy with some fields changed (checked again)."""
@@ -433,8 +430,6 @@ class TrainConfig:
         meet through torchrun's c10d rendezvous on the allocation's first node at ``port``.
         ``setup``: shell lines run first (``"source .venv/bin/activate"``, ``module load``...);
         ``json``: where global rank 0 writes the run's records (None: nowhere)."""
-        from .slurm import sbatch_script
-
         return sbatch_script(self.to_cli(), nodes, gpus_per_node, nproc_per_node=nproc_per_node,
                             time=time, partition=partition, account=account,
                             job_name=job_name, port=port, setup=setup, json=json)

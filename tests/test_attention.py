@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend
 
 import ddpkit
 from ddpkit import devices
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.spec.setting import CheckpointSetting
 from ddpkit.predict import attention as A
 from ddpkit.predict.estimate import activation_bytes, estimate, trace_activations
 

@@ -111,7 +111,7 @@ def test_a_rank_error_shows_a_banner_and_the_lab_is_ready_again(lab):
     row = lab.wait(timeout=60)
     # every rank refuses the setting at the same step: the culprit is whichever spoke first
     assert row["status"] == "error" and re.search(r"rank [01] failed", row["error"])
-    assert "TrainConfig.checkpoint='bogus'" in row["error"]
+    assert "RankPlan.checkpoint='bogus': a CheckpointSetting" in row["error"]
     assert "failed" in lab.banner.value and "#c00" in lab.banner.value
     assert "Traceback" in lab.traceback.children[0].value
     lab.set(steps=3)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import ddpkit
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.spec.setting import CheckpointSetting
 from test_lab import CFG, rank0_steps, wait_for_steps
 
 

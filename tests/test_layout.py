@@ -5,6 +5,7 @@ session happens to have imported, so a lazy import that points upward or at a mo
 here rather than in the one notebook cell that reaches it.
 """
 import ast
+import dataclasses
 import importlib
 import importlib.util
 import pkgutil
@@ -15,29 +16,33 @@ import ddpkit
 
 ROOT = Path(ddpkit.__file__).parent
 
-# part -> the parts it may import (besides itself). Low to high: the shared leaves; what runs
-# inside a rank (rank/) and the training engine (engine/), which know nothing of each other; the
-# config (built on the engine's vocabulary) and the kernel-side runtime (which knows nothing of
-# models); the pitfalls and doctor; the predictions (nothing runs); real runs and their records;
-# the Lab; the command line and the package root.
+# part -> the parts it may import (besides itself). Low to high: the shared leaves; what a run
+# is (spec/: the models and how to read them without memory, their stacks, the checkpoint
+# setting, the strategy names, the RankPlan), which both sides read; what runs inside a rank
+# (rank/) and the training engine (engine/, which reads only a RankPlan), which know nothing of
+# each other; the config (checked in spec's words, knowing nothing of the engine: it makes the
+# RankPlan) and the kernel-side runtime (which knows nothing of models); the pitfalls and doctor;
+# the predictions (nothing runs); real runs and their records; the Lab; the command line and
+# the package root.
 LEAVES = {"errors", "devices", "shipping", "slurm"}
 ALLOWED = {
     "errors": set(),
     "devices": set(),
     "shipping": set(),
     "slurm": set(),
-    "engine": {"devices", "errors"},
+    "spec": {"errors"},
+    "engine": {"spec", "devices", "errors"},
     "rank": {"devices", "errors", "shipping"},
-    "config": {"engine", "devices", "slurm"},
+    "config": {"spec", "devices", "slurm"},
     "runtime": {"rank", "devices", "errors", "shipping"},
-    "pitfalls": {"engine", "config", "runtime", "rank", *LEAVES},
-    "predict": {"engine", "config", *LEAVES},
-    "runs": {"engine", "config", "runtime", "pitfalls", "predict", *LEAVES},
-    "lab": {"engine", "config", "runtime", "predict", "runs", *LEAVES},
-    "cli": {"engine", "config", "runtime", "rank", "predict", "runs", *LEAVES},
+    "pitfalls": {"spec", "engine", "config", "runtime", "rank", *LEAVES},
+    "predict": {"spec", "engine", "config", *LEAVES},
+    "runs": {"spec", "engine", "config", "runtime", "pitfalls", "predict", *LEAVES},
+    "lab": {"spec", "engine", "config", "runtime", "predict", "runs", *LEAVES},
+    "cli": {"spec", "engine", "config", "runtime", "rank", "predict", "runs", *LEAVES},
     "__main__": {"cli"},
-    "__init__": {"engine", "config", "runtime", "rank", "predict", "runs", "lab", "pitfalls",
-                 *LEAVES},
+    "__init__": {"spec", "engine", "config", "runtime", "rank", "predict", "runs", "lab",
+                 "pitfalls", *LEAVES},
 }
 
 
@@ -119,11 +124,39 @@ def _parts_imported(here):
 
 def test_the_config_and_the_runtime_know_nothing_of_each_other():
     # read from the code, not from ALLOWED (a table can be edited to let an import through):
-    # the config is data the engine reads; the launcher runs functions, never models
-    assert not {"runtime", "rank"} & _parts_imported("config")
+    # the config makes the plan the engine reads, in spec's words, and imports no engine; the
+    # launcher runs functions, never models
+    assert not {"runtime", "rank", "engine"} & _parts_imported("config")
+    assert _parts_imported("spec") <= {"errors"}
     assert not {"config", "engine", "predict", "runs", "lab", "pitfalls"} & _parts_imported("runtime")
     assert not {"rank", "config", "runtime"} & _parts_imported("engine")
     assert not {"engine", "config", "runtime"} & _parts_imported("rank")
+
+
+def test_the_engine_reads_a_rank_plan_not_the_config():
+    # the kernel works out what a config derives (its model's blocks, the checkpoint setting on
+    # its stacks, the probes) once, into a RankPlan; nothing in engine/ or rank/ names the config
+    # or reaches for a method or property of it that a RankPlan does not have (read from the
+    # source: an attribute of that name on anything but ``self``)
+    from ddpkit.config import TrainConfig
+    from ddpkit.spec.plan import RankPlan
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    derived = {n for n, v in vars(TrainConfig).items() if not n.startswith("__")
+               and (callable(v) or isinstance(v, property))} - fields
+    only_the_config = derived - set(dir(RankPlan)) - {f.name for f in dataclasses.fields(RankPlan)}
+    assert {"info", "checkpointing", "blocks_path", "setting"} <= only_the_config  # it can fail
+    found = []
+    for name, path, _ in modules():
+        if part(name) not in ("engine", "rank"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            said = ast.unparse(node) if isinstance(node, (ast.Name, ast.Attribute)) else ""
+            if (isinstance(node, ast.Name) and node.id in ("TrainConfig", "cfg")) or (
+                    isinstance(node, ast.Attribute) and node.attr in only_the_config
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {said}")
+    assert not found, "the engine reaches into the config:\n" + "\n".join(found)
 
 
 # what one person reads in one sitting (README, "Files small enough to read")

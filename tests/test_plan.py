@@ -7,7 +7,8 @@ import pytest
 
 import ddpkit
 import fixtures_module as fm
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.engine.policies import install
+from ddpkit.spec.setting import CheckpointSetting
 from ddpkit.predict.estimate import trace_activations, traced_flops
 from ddpkit.predict.gpus import GPUS, CUDA_CONTEXT, parse_bytes, usable_bytes
 
@@ -70,13 +71,14 @@ def test_the_planned_run_measures_what_was_predicted():
     # FLOPs of the real model (real tensors, one process) against the predicted ratio
     from ddpkit.engine.data import first_batch, make_dataset
     from ddpkit.engine.probes import count_flops
-    from ddpkit.engine.spec import build_model, compute_loss
+    from ddpkit.spec.model import build_model, compute_loss
 
-    model = build_model(cfg)[0]
-    batch = first_batch(cfg, make_dataset(cfg))
+    plan = cfg.rank_plan()
+    model = build_model(plan)[0]
+    batch = first_batch(plan, make_dataset(plan))
 
     def flops(value):
-        cfg.checkpoint_policy(CheckpointSetting.of(value, cfg.n_blocks)).apply(model, cfg.blocks_path)
+        install(plan, model, CheckpointSetting.of(value, cfg.n_blocks))
         return count_flops(lambda: compute_loss(model, batch).backward())
 
     assert flops(p.checkpoint) / flops(None) == pytest.approx(p.choice.flops_ratio, rel=1e-9)

@@ -3,7 +3,7 @@ for ddp / ddp_zero1 / zero2 / fsdp at 2 and 4 ranks, HSDP, PowerSGD; every colle
 import pytest
 
 import ddpkit
-from ddpkit.engine.strategies import FSDP_STRATEGIES
+from ddpkit.spec.names import FSDP_STRATEGIES
 from ddpkit.predict import zero
 from ddpkit.predict.units import byte_unit
 

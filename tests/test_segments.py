@@ -15,7 +15,8 @@ import torch.nn as nn
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
-from ddpkit.engine.policies import CheckpointPolicy, CheckpointSetting
+from ddpkit.engine.policies import CheckpointPolicy
+from ddpkit.spec.setting import CheckpointSetting
 
 pytest.importorskip("transformers")
 
@@ -106,9 +107,9 @@ def test_segments_on_a_transformers_model_on_two_ranks(pool, name):
 
 
 def build_plain(name):
-    from ddpkit.engine.spec import build_model
+    from ddpkit.spec.model import build_model
 
-    return build_model(ddpkit.TrainConfig(**MODELS[name], **RUN))[0].state_dict()
+    return build_model(ddpkit.TrainConfig(**MODELS[name], **RUN).rank_plan())[0].state_dict()
 
 
 def gpt2_8():
@@ -187,9 +188,9 @@ def run_loop(model, value, use_reentrant=False):
     from ddpkit.engine.probes import ActivationProbe
 
     model = copy.deepcopy(model)
-    policy = CheckpointSetting.of(value, 6).build(use_reentrant=use_reentrant)
+    policy = CheckpointPolicy(CheckpointSetting.of(value, 6), use_reentrant=use_reentrant)
     policy.apply(model, "layers")
-    probe = ActivationProbe()
+    probe = ActivationProbe(policy)
     torch.manual_seed(7)  # the same dropout masks in every run
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -240,6 +241,6 @@ def test_replay_runs_each_block_through_its_hooks_once_per_recompute():
     calls = []
     for i, layer in enumerate(model.layers):
         layer.register_forward_pre_hook(functools.partial(lambda i, *a: calls.append(i), i))
-    CheckpointSetting.of(2, 6).build().apply(model, "layers")
+    CheckpointPolicy(CheckpointSetting.of(2, 6)).apply(model, "layers")
     model(torch.randn(4, 8)).backward()
     assert calls == [0, 1, 2, 3, 4, 5, 0, 1, 2]  # forward, then the region's one replay

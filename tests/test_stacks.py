@@ -8,8 +8,9 @@ import torch.nn as nn
 
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
-from ddpkit.engine.blocks import find_stacks
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.engine.policies import CheckpointPolicy
+from ddpkit.spec.blocks import find_stacks
+from ddpkit.spec.setting import CheckpointSetting
 
 pytest.importorskip("transformers")
 
@@ -125,7 +126,7 @@ def test_segments_are_made_in_each_stack_and_never_cross_one():
         CheckpointSetting.of(4, 7, (4, 3))
     with pytest.raises(ValueError, match=r"policy of 2 segments per stack made for stacks of \[8\] "
                                          r"blocks, applied to stacks of \[4, 4\]"):
-        CheckpointSetting.of(2, 8).build().apply(make_t5(), list(BOTH))
+        CheckpointPolicy(CheckpointSetting.of(2, 8)).apply(make_t5(), list(BOTH))
 
 
 def test_the_estimate_names_each_block_by_its_path():
@@ -170,21 +171,21 @@ def test_full_checkpoints_all_eight_blocks_and_the_estimate_equals_the_measureme
     assert runs["full"][1].summary()["activation_bytes"] < alone
 
 
-def fsdp_units(ctx, cfg):
+def fsdp_units(ctx, plan):
     """On a rank: the model wrapped as the run wraps it; which modules are FSDP units."""
     from torch.distributed.fsdp import FSDPModule
 
     from ddpkit.engine import strategies
-    from ddpkit.engine.spec import build_model
+    from ddpkit.spec.model import build_model
 
-    model = build_model(cfg)[0]
-    strategies.wrap(cfg, model, ctx)
+    model = build_model(plan)[0]
+    strategies.wrap(plan, model, ctx)
     return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
 def test_fsdp_shards_every_stacks_blocks(pool):
     cfg = ddpkit.TrainConfig(**T5, **RUN, checkpoint="full", optimizer="adamw", strategy="fsdp")
-    units = pool.launch(fsdp_units, cfg).returns
+    units = pool.launch(fsdp_units, cfg.rank_plan()).returns
     want = [""] + [f"{p}.{i}" for p in BOTH for i in range(4)]  # the root, and every block
     assert sorted(units[0]) == sorted(want) and units[0] == units[1]
     sharded = ddpkit.train(cfg, pool=pool)

@@ -6,9 +6,9 @@ import torch
 
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.spec.setting import CheckpointSetting
 from ddpkit.predict.estimate import activation_bytes, estimate, param_count
-from ddpkit.engine.models import build_model
+from ddpkit.spec.model import build_model
 
 # pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
 CPU = dict(backend="gloo", device="cpu")
@@ -40,7 +40,7 @@ def test_ddp_accumulation_and_checkpointing_match_one_big_batch(pool, reference,
     cfg = ddpkit.TrainConfig(**TINY, checkpoint=checkpoint, use_reentrant=reentrant)
     res = ddpkit.train(cfg, pool=pool)
     assert max_diff(res.state_dict, reference) <= 1e-5
-    assert max_diff(res.state_dict, build_model(cfg).state_dict()) > 1e-3  # it did train
+    assert max_diff(res.state_dict, build_model(cfg.rank_plan())[0].state_dict()) > 1e-3  # it did train
 
 
 @pytest.mark.parametrize("switches", [dict(static_graph=True), dict(find_unused_parameters=True),
@@ -57,7 +57,7 @@ def test_ddp_switches_pass_through_and_keep_the_maths(pool, reference, switches)
 
 def test_state_dict_is_rank_zero_weights_without_module_prefix(pool):
     res = ddpkit.train(ddpkit.TrainConfig(**TINY), pool=pool)
-    assert set(res.state_dict) == set(build_model(res.config).state_dict())
+    assert set(res.state_dict) == set(build_model(res.config.rank_plan())[0].state_dict())
     assert not any(k.startswith("module.") for k in res.state_dict)
     assert all(v.device.type == "cpu" for v in res.state_dict.values())
 

@@ -16,7 +16,7 @@ import html
 
 import ipywidgets as W
 
-from ..engine.policies import CheckpointSetting
+from ..spec.setting import CheckpointSetting
 
 COLUMNS = 10  # toggles per row: a row per ten blocks, so a block's row and column read its index
 STYLE = {"description_width": "110px"}

@@ -78,7 +78,7 @@ class ConfigSync:
             cfg = self.config()  # only settings that make a valid config are sent
         except ValueError:
             return
-        self.send(checkpoint=cfg.checkpoint, accum_steps=cfg.accum_steps)
+        self.send(checkpoint=cfg.checkpointing, accum_steps=cfg.accum_steps)
 
     def update_estimate(self):
         view = self.view

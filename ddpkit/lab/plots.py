@@ -24,7 +24,7 @@ import time
 import anywidget
 import traitlets
 
-from ..engine.policies import CheckpointSetting
+from ..spec.setting import CheckpointSetting
 from .fit import grid, held, opened
 from ..predict.units import MIB, byte_unit
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from ..config import PRECISIONS
-from ..engine.blocks import block_names
+from ..spec.blocks import block_names
+from ..spec.names import PRECISIONS
 from .blocks import BlockControl
 from .controls import segments_of
 from .timeline import timeline_controls

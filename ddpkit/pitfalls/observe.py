@@ -18,9 +18,10 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointError
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from ..engine import rng
-from ..engine.blocks import block_names, find_stacks, stack_sizes
-from ..engine.policies import CheckpointSetting, remove
+from ..engine.policies import CheckpointPolicy, remove
+from ..spec import rng
+from ..spec.blocks import block_names, find_stacks, stack_sizes
+from ..spec.setting import CheckpointSetting
 
 
 def where(names, limit=4):
@@ -93,7 +94,8 @@ def _install_setting(model, value, use_reentrant, preserve_rng_state, blocks):
     except ValueError as exc:
         raise ValueError(f"doctor: {exc}; or, to doctor, a list of submodule names or a "
                          f"callable (name, module) -> bool") from None
-    setting.build(use_reentrant, preserve_rng_state).apply(model, [p for p, _ in stacks])
+    CheckpointPolicy(setting, use_reentrant, preserve_rng_state).apply(
+        model, [p for p, _ in stacks])
     names = block_names(stacks)
 
     def name(a, b):  # a region lies in one stack: 'transformer.h.3' or 'transformer.h[0:2]'

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.policies import CheckpointPolicy
 from ..errors import RankError, RankStalled
 from ..runtime.launch import launch
 from ..runtime.pool import Pool, launch_or_fresh, shared_pool
+from ..spec.setting import CheckpointSetting
 from .known import get
 from .doctor import doctor
 from .ranks import (BNNet, BranchNet, CkptNet, DropNet, LayerDropNet, batch, build, gpt2_tokens,
@@ -258,10 +260,8 @@ def _lora_spec(fixed):
     """The LoRA GPT-2, its first block checkpointed as on the ranks (broken: reentrant)."""
     if _peft_missing():
         return None
-    from ..engine.policies import CheckpointSetting
-
     model = tiny_lora_gpt2().train()
-    CheckpointSetting.of(2, 2).build(use_reentrant=not fixed).apply(
+    CheckpointPolicy(CheckpointSetting.of(2, 2), use_reentrant=not fixed).apply(
         model, "base_model.model.transformer.h")
     ids = gpt2_tokens(0, 0)
     return model, lambda m: m(input_ids=ids, labels=ids).loss, {}

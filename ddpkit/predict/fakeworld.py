@@ -164,18 +164,19 @@ def skip_dtensor_meta(live):
     finally:
         setattr(ShardingPropagator, name, original)
 
-def watch_buckets(wrapped, cfg):
-    """Register the simulation's comm hook on DDP; return what it saw of the buckets."""
+def watch_buckets(wrapped, plan):
+    """Register the simulation's comm hook on DDP (``plan``: the rank's `RankPlan`); return what
+    it saw of the buckets."""
     seen = {}
     if not hasattr(wrapped, "register_comm_hook"):
         return seen
-    inner = _comm_hook(cfg.comm_hook)
+    inner = _comm_hook(plan.comm_hook)
 
     def hook(state, bucket):
         st = bucket.buffer().untyped_storage()
         seen[bucket.index()] = (st._cdata, st.nbytes())
         return inner(state, bucket)
-    wrapped.register_comm_hook(cfg.world_size, hook)
+    wrapped.register_comm_hook(plan.world_size, hook)
     wrapped.reducer = _FirstLayout(wrapped.reducer)
     return seen
 

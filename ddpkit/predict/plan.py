@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from ..config import TrainConfig
 from ..engine import strategies
 from ..engine.memory import TIE
-from ..engine.policies import CheckpointSetting
+from ..spec.setting import CheckpointSetting
 from .estimate import estimate, traced_flops
 from .gpus import budget_bytes
 from .peak import predicted_peak

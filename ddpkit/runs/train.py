@@ -10,12 +10,13 @@ import warnings
 
 from ..config import TrainConfig
 from ..devices import resolve_devices
-from ..engine import rng, saving
+from ..engine import saving
 from ..engine.data import check_length, make_dataset
 from ..engine.loop import train_rank
 from ..pitfalls.doctor import doctor
 from ..runtime.launch import launch
 from ..runtime.pool import Pool, launch_shared
+from ..spec import rng
 from .result import TrainResult
 
 
@@ -56,13 +57,14 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
             raise ValueError(f"TrainConfig asks for {backend} on {device}, the pool runs "
                              f"{pool.backend} on {pool.device}; pass a matching pool or pool=None")
     if resume_from is not None:  # refused here, before any rank starts, if it does not fit
-        resume_from = str(saving.check_resume(cfg, resume_from))
+        resume_from = str(saving.check_resume(cfg.rank_plan(), resume_from))
     preflight(cfg)
     findings = check_config(cfg) if check else []
+    plan = cfg.rank_plan()  # what the ranks run
     if pool is None:
-        run = launch_shared(train_rank, cfg, live=live, resume_from=resume_from, **kw)
+        run = launch_shared(train_rank, plan, live=live, resume_from=resume_from, **kw)
     else:
-        run = launch(train_rank, cfg, live=live, pool=pool or None, resume_from=resume_from, **kw)
+        run = launch(train_rank, plan, live=live, pool=pool or None, resume_from=resume_from, **kw)
     if not block:
         run.findings = findings
         return run
@@ -72,11 +74,12 @@ def train(cfg: TrainConfig, pool=None, on_metric=None, block=True, live=False, r
 def preflight(cfg):
     """What the kernel can check of your model before any rank starts: the data fill a global
     batch. (What ddpkit switches off on your model, its own checkpointing and its KV cache,
-    `spec.prepare_for_training`, the doctor reports: a note, or a warning where the factory
+    `spec.model.prepare_for_training`, the doctor reports: a note, or a warning where the factory
     would crash in a trainer of your own.)"""
     if cfg.builtin:
         return
-    check_length(cfg, make_dataset(cfg))
+    plan = cfg.rank_plan()
+    check_length(plan, make_dataset(plan))
 
 
 def check_config(cfg):
