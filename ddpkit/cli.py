@@ -136,9 +136,6 @@ class Progress:
                                  f"{1000 * record['step_time_s']:.1f} ms/step", refresh=False)
         self.bar.update(1)
         if self.verbose:
-            if "checkpoint" in record:  # the setting's one text form, as the CLI takes it
-                text = str(self.cfg.setting(record["checkpoint"]))
-                record = {**record, "checkpoint": text}
             self.bar.write(format_record(record), file=sys.stdout)
 
     def close(self):
@@ -155,7 +152,7 @@ def summary_table(cfg, records):
             ("step time", f"{1000 * s['step_time_s']:.2f} ms median, IQR "
                           f"{1000 * s['step_time_iqr_s']:.2f} ms"),
             ("samples/s", f"{cfg.global_batch / s['step_time_s']:.0f}"),
-            ("checkpoint", cfg.checkpointing.label())]
+            ("checkpoint", cfg.checkpoint.label())]
     if "activation_bytes" in s:
         rows.append(("activations", f"{fmt_bytes(s['activation_bytes'])} per rank"))
     if "peak_bytes" in s:

@@ -9,6 +9,7 @@ the ranks `rank_plan()`, the `RankPlan` the engine reads.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
 
 from .devices import check_bf16, local_world_size, resolve_devices, under_torchrun
@@ -97,7 +98,9 @@ class TrainConfig:
     checkpoint: object = None
     """None (off); an int s: s segments as torch's checkpoint_sequential counts them (the first
     s-1 are checkpointed, the last segment never is, so 1 checkpoints nothing); 'full' (every
-    block); or a list of booleans, one per block (selective)."""
+    block); or a list of booleans, one per block (selective); or a setting's text form
+    ('2 per stack', '1,0,1,0,'). The config holds it as a `CheckpointSetting` bound to the
+    model's stacks (``cfg.checkpoint.label()``; it compares equal to the plain value)."""
     use_reentrant: bool = False
     """Passed to torch.utils.checkpoint explicitly (torch warns when it is not)."""
     preserve_rng_state: bool = True
@@ -155,8 +158,8 @@ class TrainConfig:
         self._check_training()
         self._check_saving_and_probes()
         self._check_timeline()
-        # one value type checks it; the config keeps the plain value (a list, not a tuple)
-        self.checkpoint = self.setting(self.checkpoint).plain
+        # one value type checks it, bound to the model's stacks: the config holds the setting
+        self.checkpoint = CheckpointSetting.of(self.checkpoint, self._stacks())
         self._check_devices()
 
     def _bad(self, name, why, fix):
@@ -317,21 +320,9 @@ class TrainConfig:
         the given or found path, or a tuple of paths where the model has several stacks."""
         return "blocks" if self.builtin else self.info.blocks
 
-    @property
-    def stack_sizes(self):
-        """The blocks of each stack, in order; () for one stack."""
-        sizes = () if self.builtin else self.info.stack_sizes
-        return sizes if len(sizes) > 1 else ()
-
-    def setting(self, value):
-        """The `CheckpointSetting` of a plain value (None, an int, 'full', a list) on this
-        config's blocks and stacks."""
-        return CheckpointSetting.of(value, self.n_blocks, self.stack_sizes)
-
-    @property
-    def checkpointing(self):
-        """The checkpoint setting as its value type (`CheckpointSetting`)."""
-        return self.setting(self.checkpoint)
+    def _stacks(self):
+        """The blocks of each of the model's stacks, in order (what a setting is bound to)."""
+        return (self.n_blocks,) if self.builtin else self.info.stack_sizes
 
     def _check_devices(self):
         # under torchrun the world spans machines: this machine runs only its own ranks
@@ -373,7 +364,7 @@ class TrainConfig:
         engine_reads = {f.name for f in dataclasses.fields(RankPlan)} - {
             "blocks", "checkpoint", "probes", "n_params", "config"}
         return RankPlan(**{name: getattr(self, name) for name in engine_reads},
-                        blocks=self.blocks_path, checkpoint=self.checkpointing,
+                        blocks=self.blocks_path, checkpoint=self.checkpoint,
                         probes=frozenset(self.probes),
                         n_params=None if self.builtin else self.info.n_params, config=self)
 
@@ -382,7 +373,10 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self):
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        """Every field but ``extra``, as one writes them (the checkpoint's plain value): what
+        ``TrainConfig(**d)`` builds again, and what JSON takes."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {**d, "checkpoint": self.checkpoint.plain}
 
     def to_cli(self):
         """The ``python -m ddpkit train`` arguments that rebuild this config."""
@@ -409,7 +403,7 @@ class TrainConfig:
             elif name == "blocks":  # several stacks: one comma list
                 args += [flag, value if isinstance(value, str) else ",".join(value)]
             elif name == "checkpoint":  # the setting's one text form
-                args += [flag, str(self.checkpointing)]
+                args += [flag, str(self.checkpoint)]
             else:
                 args += [flag, str(value)]
         return args
@@ -419,7 +413,7 @@ class TrainConfig:
         nproc = nproc_per_node or self.world_size
         rdzv = "" if nnodes == 1 else " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500"
         return (f"torchrun --nnodes {nnodes} --nproc-per-node {nproc}{rdzv} -m ddpkit train "
-                + " ".join(self.to_cli())).rstrip()
+                + " ".join(shlex.quote(a) for a in self.to_cli())).rstrip()
 
     def to_slurm(self, nodes, gpus_per_node, *, nproc_per_node=None, time="01:00:00",
                  partition=None, account=None, job_name="ddpkit", port=29500, setup=None,

@@ -281,7 +281,7 @@ def measure(name, pool=None):
         out[f"measured_{key}"] = res.summary()["activation_bytes"]
         out[f"estimated_{key}"] = est.activations
         out[f"peak_{key}"] = est.peak().bytes
-        out[f"policy_{key}"] = run.checkpointing.label()
+        out[f"policy_{key}"] = run.checkpoint.label()
     start = build_model(cfg.rank_plan())[0].state_dict()
 
     def diff(a, b):

@@ -34,7 +34,7 @@ def test_the_plan_is_the_cheapest_frontier_choice_whose_peak_fits():
     for cfg in configs():
         fig = _figures(cfg)
         for mask in itertools.product((False, True), repeat=cfg.n_blocks):
-            setting = CheckpointSetting.from_mask(mask)
+            setting = CheckpointSetting.from_mask(mask, cfg.checkpoint.stacks)
             c = _choice(fig, setting)  # the planner's figures, from per-block sums...
             assert (c.activations, c.flops) == truth(cfg, setting)  # ...equal the traced ones
         front = ddpkit.plan(cfg, 10**12).frontier
@@ -78,7 +78,7 @@ def test_the_planned_run_measures_what_was_predicted():
     batch = first_batch(plan, make_dataset(plan))
 
     def flops(value):
-        install(plan, model, CheckpointSetting.of(value, cfg.n_blocks))
+        install(plan, model, cfg.checkpoint.with_value(value))
         return count_flops(lambda: compute_loss(model, batch).backward())
 
     assert flops(p.checkpoint) / flops(None) == pytest.approx(p.choice.flops_ratio, rel=1e-9)
@@ -107,7 +107,7 @@ def test_fits_names_the_gpu_and_its_overhead():
     assert "T4" in repr(fit) and "not counted" in repr(fit)
     assert not est.fits(est.total // 2)
     big = est.largest_micro_batch(64 * 2**20)
-    assert big >= 1 and est.config.replace(micro_batch=big).checkpointing is not None
+    assert big >= 1 and est.config.replace(micro_batch=big).checkpoint.value is not None
     assert ddpkit.estimate(cfg.replace(micro_batch=big)).fits(64 * 2**20)
     assert not ddpkit.estimate(cfg.replace(micro_batch=big + 1)).fits(64 * 2**20)
 

@@ -55,7 +55,7 @@ def test_a_setting_has_one_text_form_and_one_label(value, n, text, label):
     setting = CheckpointSetting.of(value, n)
     assert str(setting) == text and setting.label() == label
     assert CheckpointSetting.of(CheckpointSetting.parse(text), n) == setting
-    assert setting.plain == value  # what config and records hold
+    assert setting.plain == value and setting == value  # what one writes, and compares with
 
 
 def test_bad_text_and_bad_values_name_the_fix():
@@ -63,10 +63,14 @@ def test_bad_text_and_bad_values_name_the_fix():
                                          r"count, full, or one 0/1 per block with commas"):
         CheckpointSetting.parse("half")
     with pytest.raises(TypeError, match=r"CheckpointPolicy takes a CheckpointSetting, got int; "
-                                        r"build one with CheckpointSetting.of\(value, n_blocks\)"):
+                                        r"build one with CheckpointSetting.of\(value, stacks\)"):
         CheckpointPolicy(2)
-    with pytest.raises(TypeError, match=r"pass a CheckpointSetting \(CheckpointSetting.of\(2, 4\)\)"):
+    with pytest.raises(TypeError, match=r"pass a CheckpointSetting, or nothing for the config's "
+                                        r"own setting; cfg.checkpoint.with_value\(2\) makes one"):
         ddpkit.predict.estimate.activation_bytes(ddpkit.TrainConfig(), 2)
+    with pytest.raises(ValueError, match=r"stacks=\(\) must be the blocks of each of the model's "
+                                         r"stacks"):
+        CheckpointSetting(2, ())  # a setting is bound to its model's stacks
 
 
 # --- the estimate: one input per checkpointed segment
@@ -144,7 +148,7 @@ def test_a_region_brings_its_whole_inside_back_at_once():
     # blocks 0-2 keep 10 each (boundary 1), block 3 keeps 4: with s=2 the plain segment (blocks
     # 2-3) holds less than the region of blocks 0-1 brings back while it is recomputed
     fig = _Blocks(saves=[9, 9, 9, 3], keeps=[10, 10, 10, 4], recompute=[5, 5, 5, 5],
-                  base_acts=100, base_flops=100, states=0)
+                  base_acts=100, base_flops=100, states=0, none=CheckpointSetting(None, 4))
     c = _choice(fig, CheckpointSetting.of(2, 4))
     assert c.activations == 100 - (20 - 1)
     assert c.peak_activations == c.activations - 14 + 19  # blocks 2-3 freed, 0-1 back whole

@@ -93,7 +93,7 @@ def train_rank(ctx, plan, live=False, resume_from=None, return_weights=True):
                               loss_fn=plan.loss_fn, phase=measure.phase)
         record = dict(step=step, loss=loss, step_time_s=measure.seconds,
                       samples_per_s=ctx.world_size * plan.micro_batch * accum / measure.seconds,
-                      accum_steps=accum, checkpoint=settings.plan.checkpoint.plain,
+                      accum_steps=accum, checkpoint=str(settings.plan.checkpoint),
                       changed=",".join(changed), lr=scheduler.get_last_lr()[0],
                       **measure.read(model, optimizer))  # before zero_grad frees the gradients
         zero_grad(optimizer)

@@ -55,7 +55,7 @@ class CheckpointPolicy:
         if not isinstance(setting, CheckpointSetting):
             raise TypeError(f"CheckpointPolicy takes a CheckpointSetting, got "
                             f"{type(setting).__name__}; build one with "
-                            f"CheckpointSetting.of(value, n_blocks) and pass it")
+                            f"CheckpointSetting.of(value, stacks) and pass it")
         self.setting = setting
         self.n_blocks = setting.n_blocks
         self.use_reentrant, self.preserve_rng_state = use_reentrant, preserve_rng_state
@@ -148,12 +148,11 @@ class CheckpointPolicy:
             raise ValueError(f"policy for {self.n_blocks} blocks applied to a model with "
                              f"{len(flat)}")
         sizes = stack_sizes(stacks)
-        if isinstance(self.setting.value, int) and self.setting.spans != \
-                CheckpointSetting(None, len(flat), sizes).spans:
+        if isinstance(self.setting.value, int) and self.setting.stacks != sizes:
             raise ValueError(f"policy of {self.setting.value} segments per stack made for stacks "
-                             f"of {[b - a for a, b in self.setting.spans]} blocks, applied to "
-                             f"stacks of {list(sizes)}; make the setting with "
-                             f"CheckpointSetting.of(value, n_blocks, stacks={sizes})")
+                             f"of {list(self.setting.stacks)} blocks, applied to stacks of "
+                             f"{list(sizes)}; make the setting with "
+                             f"CheckpointSetting.of(value, {sizes})")
         containers = [container for _, container in stacks]
         remove(model)  # what an earlier policy installed
         remove(model, containers)
@@ -196,8 +195,7 @@ class CheckpointPolicy:
         return "; ".join([text, *self.notes])
 
     def __repr__(self):
-        return (f"CheckpointPolicy({self.setting.plain!r}, n_blocks={self.n_blocks}, "
-                f"use_reentrant={self.use_reentrant})")
+        return (f"CheckpointPolicy({self.setting!r}, use_reentrant={self.use_reentrant})")
 
 
 def remove(model, containers=None):

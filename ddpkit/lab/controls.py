@@ -18,7 +18,7 @@ class ConfigSync:
     def __init__(self, view, cfg, running, send):
         self.view, self.cfg, self.running, self.send = view, cfg, running, send
         self._syncing = False
-        self._selective = names_blocks(cfg)  # the blocks control's setting, or the slider's
+        self._selective = cfg.checkpoint.names_blocks  # the blocks control's, or the slider's
         self._wanted = None  # (generation, config, estimate) whose peak the read-out shows
         self._generation = 0  # one more per read-out: a late peak of an older one is dropped
         self._wake = threading.Condition()
@@ -28,9 +28,9 @@ class ConfigSync:
         """Set the controls from a config (without sending anything mid-run)."""
         self._syncing = True
         try:
-            self.view.controls["segments"].value = segments_of(cfg)
-            self.view.blocks.show(cfg.checkpointing)
-            self._selective = names_blocks(cfg)
+            self.view.controls["segments"].value = cfg.checkpoint.segment_count or 0
+            self.view.blocks.show(cfg.checkpoint)
+            self._selective = cfg.checkpoint.names_blocks
         finally:
             self._syncing = False
 
@@ -78,7 +78,7 @@ class ConfigSync:
             cfg = self.config()  # only settings that make a valid config are sent
         except ValueError:
             return
-        self.send(checkpoint=cfg.checkpointing, accum_steps=cfg.accum_steps)
+        self.send(checkpoint=cfg.checkpoint, accum_steps=cfg.accum_steps)
 
     def update_estimate(self):
         view = self.view
@@ -120,24 +120,12 @@ class ConfigSync:
         view.torchrun_text.layout.display = ""
 
 
-def segments_of(cfg):
-    """The segments slider's value for ``cfg``'s checkpoint: its segments, else 0 (none, or
-    blocks named, which the blocks control shows)."""
-    return cfg.checkpoint if isinstance(cfg.checkpoint, int) else 0
-
-
-def names_blocks(cfg):
-    """Does ``cfg``'s checkpoint name blocks (a mask or a pattern)? Then the blocks control's
-    setting is the Lab's, not the segments slider's."""
-    return isinstance(cfg.checkpoint, (list, str))
-
-
 def checkpoint_of(cfg, view, selective):
     """The `CheckpointSetting` ``view``'s controls say: its blocks control's when ``selective``
     (it was edited last, or the config named blocks), else its segments slider's (0: none)."""
     if selective:
-        return cfg.setting(view.blocks.setting().value)
-    return cfg.setting(view.controls["segments"].value or None)
+        return cfg.checkpoint.with_value(view.blocks.setting())
+    return cfg.checkpoint.with_value(view.controls["segments"].value or None)
 
 
 def described(cfg, view, selective):
@@ -146,7 +134,7 @@ def described(cfg, view, selective):
     (``micro_batch=100`` on a slider to 64) is the control's."""
     v = {k: w.value for k, w in view.controls.items() if k != "segments"}
     v.update({k: v[k] or None for k in ("bucket_cap_mb", "link_gbps")})  # 0: torch's/none
-    return cfg.replace(checkpoint=checkpoint_of(cfg, view, selective).plain, **v)
+    return cfg.replace(checkpoint=checkpoint_of(cfg, view, selective), **v)
 
 
 def readout(describe):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..config import TrainConfig
 from ..predict.estimate import activation_bytes
 from ..runs.timeline import link_label
-from .controls import ConfigSync, described, names_blocks, readout
+from .controls import ConfigSync, described, readout
 from .follow import RunFollower
 from .peak_panel import PeakPanel
 from .plan_panel import PlanPanel
@@ -71,7 +71,7 @@ class Lab:
     def _first_readout(self, view):
         """What the read-out says of ``view``'s controls as they are made (the view shows it
         from the start: its comm opens whole), and whether Run may start."""
-        text, cfg, _ = readout(lambda: described(self.cfg, view, names_blocks(self.cfg)))
+        text, cfg, _ = readout(lambda: described(self.cfg, view, self.cfg.checkpoint.names_blocks))
         return text, cfg is not None
 
     def _wire(self):
@@ -141,9 +141,9 @@ class Lab:
         self.follower.reset(cfg)
         self.runner.check(cfg)
         self.view.output.clear_output()
-        self.plots.new_run(cfg.world_size, label=f"run {len(self.history)}", n_blocks=cfg.n_blocks,
-                           predict=lambda rec: activation_bytes(
-                               cfg, cfg.setting(rec["checkpoint"])))
+        self.plots.new_run(cfg.world_size, label=f"run {len(self.history)}",
+                           setting=cfg.checkpoint, predict=lambda rec: activation_bytes(
+                               cfg, cfg.checkpoint.with_value(rec["checkpoint"])))
         self.peaks.new_run(cfg)
         self.timeline.new_run(cfg.world_size, link_label(cfg))  # [timeline]
         self.view.set_running(True)

@@ -26,9 +26,7 @@ KIND_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state
 
 def _key(rec):
     """What a record's prediction depends on: its setting, accumulation, step and rank."""
-    checkpoint = rec.get("checkpoint")
-    checkpoint = tuple(checkpoint) if isinstance(checkpoint, list) else checkpoint
-    return checkpoint, rec.get("accum_steps"), min(rec["step"], 1), rec["rank"]
+    return rec.get("checkpoint"), rec.get("accum_steps"), min(rec["step"], 1), rec["rank"]
 
 
 class PeakPanel:
@@ -79,8 +77,8 @@ class PeakPanel:
             cfg, key = self._todo.get()
             checkpoint, accum, step, rank = key
             try:
-                run = cfg.replace(checkpoint=list(checkpoint) if isinstance(checkpoint, tuple)
-                                  else checkpoint, accum_steps=accum)
+                run = cfg.replace(checkpoint=cfg.checkpoint.with_value(checkpoint),
+                                  accum_steps=accum)
                 # the trace and the simulated step: Python's end waits for them
                 peak = background.run(lambda: estimate(run).peak(step=step, rank=rank))
             except Exception as exc:  # shown in the table, never raised into a thread

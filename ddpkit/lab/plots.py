@@ -24,7 +24,6 @@ import time
 import anywidget
 import traitlets
 
-from ..spec.setting import CheckpointSetting
 from .fit import grid, held, opened
 from ..predict.units import MIB, byte_unit
 
@@ -203,9 +202,10 @@ class LivePlots:
         return [self.loss, self.memory, self.timing]
 
     # --- runs
-    def new_run(self, world_size, predict=None, label="run", n_blocks=None):
+    def new_run(self, world_size, predict=None, label="run", setting=None):
         """Fade the traces of the run before (dropping older ones) and start fresh ones.
-        ``n_blocks``: the model's block count, for the labels of checkpoint changes."""
+        ``setting``: the run's `CheckpointSetting` (its stacks), for the labels of checkpoint
+        changes."""
         with self._lock:
             self._pending.clear()
         for fig in self.figures:
@@ -240,7 +240,7 @@ class LivePlots:
         if predict is not None:
             self._add(self.memory, ("predicted", 0), "activations predicted", PREDICTED,
                       dash="dash", width=2.5)
-        self._label, self._n_blocks = label, n_blocks
+        self._label, self._setting = label, setting
 
     def _add(self, fig, key, name, color, dash=None, mode="lines", yaxis=None, width=2,
              opacity=1.0, marker=None):
@@ -312,7 +312,7 @@ class LivePlots:
                 t.xs.append(step)
                 t.ys.append(self._predict(rec) / (mem or MIB))
             if rec.get("changed") and r == 0:
-                marks.append((step, _change_text(rec, self._n_blocks)))
+                marks.append((step, _change_text(rec, self._setting)))
         self._calls_axis()
         self._send()
         for step, text in marks:
@@ -381,13 +381,14 @@ class LivePlots:
         return list(t.ys) if t is not None else []
 
 
-def _change_text(rec, n_blocks=None):
+def _change_text(rec, setting=None):
     """A short label for a mid-run change: 'step 12: 2 segments', 'step 30: accum 4'; the
-    checkpoint setting as `CheckpointSetting.label` says it."""
+    checkpoint setting as `CheckpointSetting.label` says it, on the stacks of ``setting`` (the
+    run's: '2 segments per stack' on a model of several)."""
     parts = []
     for kind in rec["changed"].split(","):
-        if kind == "checkpoint" and n_blocks is not None:
-            parts.append(CheckpointSetting.of(rec["checkpoint"], n_blocks).label())
+        if kind == "checkpoint" and setting is not None:
+            parts.append(setting.with_value(rec["checkpoint"]).label())
         elif kind == "accum_steps":
             parts.append(f"accum {rec.get('accum_steps', '?')}")
         else:

@@ -8,7 +8,6 @@ import ipywidgets as W
 from ..spec.blocks import block_names
 from ..spec.names import PRECISIONS
 from .blocks import BlockControl
-from .controls import segments_of
 from .timeline import timeline_controls
 
 FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"
@@ -34,14 +33,13 @@ class LabView:
     def _build_controls(self, c):
         """One control per config field the Lab edits, and the per-block control (one toggle
         per detected block, named as the model names it)."""
-        n = c.n_blocks
-        shortest = min(c.stack_sizes or (n,))  # segments are made in each stack
+        shortest = min(c.checkpoint.stacks)  # segments are made in each stack
         style = {"description_width": "110px"}
         full = lambda: W.Layout(width="auto", max_width="380px")  # noqa: E731
         self.controls = {
             "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style,
                                       layout=full()),
-            "segments": W.IntSlider(segments_of(c), 0, shortest, description="ckpt segments",
+            "segments": W.IntSlider(c.checkpoint.segment_count or 0, 0, shortest, description="ckpt segments",
                                     style=style, layout=full(),
                                     tooltip="0 = off; s = checkpoint_sequential segments in each "
                                             "stack (the last segment is never checkpointed)"),
@@ -61,7 +59,7 @@ class LabView:
         # the blocks the config found in the model, stack by stack (their full module names as
         # tooltips), counted over all stacks in order
         self.blocks = BlockControl([(s.path, block_names([(s.path, s.n_blocks)]))
-                                    for s in c.info.stacks], c.checkpointing)
+                                    for s in c.info.stacks], c.checkpoint)
         self.block_toggles = self.blocks.toggles
 
     def _build_run_widgets(self, cfg, readout, ok):

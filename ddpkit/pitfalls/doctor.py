@@ -77,7 +77,7 @@ def _own_settings(model, cfg):
         shown = ", ".join(sorted(values)) if len(values) > 1 else next(iter(values))
         said = (f"the model's own gradient checkpointing is on (is_gradient_checkpointing="
                 f"{flag}, use_reentrant={'mixed: ' * (len(values) > 1)}{shown}): ddpkit turns it "
-                f"off for its runs and checkpoints by TrainConfig.checkpoint={cfg.checkpoint!r} "
+                f"off for its runs and checkpoints by TrainConfig.checkpoint={cfg.checkpoint.plain!r} "
                 f"instead.")
         if values & {"True", "not passed"}:
             out.append(Finding(
@@ -94,7 +94,7 @@ def _own_settings(model, cfg):
                                "nothing for ddpkit's runs; TrainConfig.checkpoint chooses what "
                                "they checkpoint"))
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) and (on or cfg.checkpoint is not None):
+    if getattr(config, "use_cache", False) and (on or cfg.checkpoint.value is not None):
         out.append(Finding(
             "hf_use_cache", "config.use_cache",
             "use_cache=True in the model's config with checkpointing on: ddpkit sets "

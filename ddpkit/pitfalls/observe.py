@@ -58,7 +58,7 @@ class Watch:
 def install_checkpoint(model, setting, use_reentrant, preserve_rng_state, watch, blocks=None):
     """Install the requested checkpointing for the check. Returns (segments, undo), where a
     segment is (name, [modules]) and undo() puts the model back as it was."""
-    if setting is None:
+    if setting is None or (isinstance(setting, CheckpointSetting) and setting.value is None):
         return [], lambda: None
     if callable(setting):
         names = outermost([n for n, m in model.named_modules() if n and setting(n, m)])
@@ -90,7 +90,7 @@ def _install_setting(model, value, use_reentrant, preserve_rng_state, blocks):
                          f"submodule names, or a callable (name, module) -> bool") from None
     flat = [b for _, container in stacks for b in container]
     try:
-        setting = CheckpointSetting.of(value, len(flat), stack_sizes(stacks))
+        setting = CheckpointSetting.of(value, stack_sizes(stacks))
     except ValueError as exc:
         raise ValueError(f"doctor: {exc}; or, to doctor, a list of submodule names or a "
                          f"callable (name, module) -> bool") from None

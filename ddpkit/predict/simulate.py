@@ -210,7 +210,9 @@ def _simulate(cfg, rank, steps, keep, thaw):
     stage = functools.partial(empty.stage, who="ddpkit.estimate(cfg).peak()",
                               model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
     blocks = resolve_blocks(model, plan.blocks)
-    setting = plan.checkpoint if keep is None else CheckpointSetting.of(cfg.checkpoint, len(blocks))
+    # a model cut to its first blocks has one stack
+    setting = plan.checkpoint if keep is None else CheckpointSetting.of(plan.checkpoint.value,
+                                                                        len(blocks))
     with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live):

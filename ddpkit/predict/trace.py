@@ -36,7 +36,7 @@ from ..engine.policies import install
 from ..engine.probes import ActivationProbe, storage
 from ..engine.step import autocast_for
 from ..spec import rng
-from ..spec.blocks import block_names, find_stacks
+from ..spec.blocks import block_names, find_stacks, stack_sizes
 from ..spec.empty import stage
 from ..spec.model import compute_loss, describe_spec, fake_model
 from ..spec.setting import CheckpointSetting
@@ -70,6 +70,7 @@ class Traced:
             real_batch)
         stacks = find_stacks(self.model, plan.blocks)
         self.blocks = [b for _, container in stacks for b in container]
+        self.none = CheckpointSetting(None, stack_sizes(stacks))  # on the traced stacks
         # a cut model (one stack) is named as the whole one
         self.block_names = block_names([(p, self.n) for p, _ in stacks] if keep else stacks)
         self._per_block()
@@ -144,7 +145,7 @@ class Traced:
                   for b in self.blocks]
         try:
             with FlopCounterMode(display=False) as counter:
-                self.forward_bytes(CheckpointSetting(None, len(self.blocks)), probe)
+                self.forward_bytes(self.none, probe)
         finally:
             for h in hooks:
                 h.remove()
@@ -170,20 +171,20 @@ class Traced:
         self.param_bytes += (n - k) * block_params[1]
         self.trainable_bytes += (n - k) * sum(p.numel() * p.element_size()
                                               for p in self.blocks[1].parameters() if p.requires_grad)
-        total, per_module = self._counted_flops(CheckpointSetting(None, k))
+        total, per_module = self._counted_flops(self.none)
         root, middle = type(self.model).__name__, self.block_names[1]
         self.plain_flops = total + (n - k) * per_module[f"{root}.{middle}"]
         self.alone = []  # recompute of traced block j checkpointed on its own
         for j in range(k):
             mask = [i == j for i in range(k)]
-            self.alone.append(self._counted_flops(CheckpointSetting(mask, k))[0] - total)
+            self.alone.append(self._counted_flops(self.none.with_value(mask))[0] - total)
         # tensors every block uses are counted once, on the first block that saves them (the
         # first plain block, or the regions: Llama's rotary cos/sin, its position ids). The
         # sums above give them to block 0 when it runs plain; what they miss, two traces say:
         # ``regions`` (what only regions hold) with block 0 plain, ``first`` (what block 0
         # plain held) with block 0 checkpointed too
-        tail = CheckpointSetting([False] + [True] * (k - 1), k)
-        full = CheckpointSetting("full", k)
+        tail = self.none.with_value([False] + [True] * (k - 1))
+        full = self.none.with_value("full")
         self.regions_hold = self.forward_bytes(tail, ActivationProbe()) - self._carried_bytes(tail, k)
         self.first_holds = (self.forward_bytes(full, ActivationProbe()) - self._carried_bytes(full, k)
                             - self.regions_hold)
@@ -310,11 +311,11 @@ def traced(cfg, keep="auto"):
 def as_setting(cfg, setting):
     """``setting`` as given (a `CheckpointSetting`), or the config's own when None."""
     if setting is None:
-        return cfg.checkpointing
+        return cfg.checkpoint
     if not isinstance(setting, CheckpointSetting):
-        raise TypeError(f"pass a CheckpointSetting (CheckpointSetting.of({setting!r}, "
-                        f"{cfg.n_blocks})), or nothing for the config's own setting; "
-                        f"cfg.setting({setting!r}) makes one on this config's stacks")
+        raise TypeError(f"pass a CheckpointSetting, or nothing for the config's own setting; "
+                        f"cfg.checkpoint.with_value({setting!r}) makes one on this config's "
+                        f"stacks")
     return setting
 
 

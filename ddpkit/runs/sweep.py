@@ -17,7 +17,7 @@ def recompute_flops_ratio(cfg):
     """FLOPs of one micro-batch's forward+backward under cfg's policy over those without
     checkpointing, counted with FlopCounterMode (no clock noise) on the estimate's
     FakeTensorMode model (no memory)."""
-    return traced_flops(cfg) / traced_flops(cfg, cfg.setting(None))
+    return traced_flops(cfg) / traced_flops(cfg, cfg.checkpoint.with_value(None))
 
 
 SWEEP_COLUMNS = ("final_loss", "step_time_ms", "step_time_iqr_ms", "activation_bytes",
@@ -109,7 +109,8 @@ def _bar_updater(bar):
 
 def _label(name, v, cfg):
     """A grid value as the table shows it: numbers as numbers, None as 'none', a checkpoint
-    setting in its one text form ('full', '1,0,1,0,')."""
-    if name == "checkpoint" and not isinstance(v, int):
-        return str(cfg.checkpointing)
+    setting in its one text form ('2', '2 per stack' on a model of several stacks, 'full',
+    '1,0,1,0,': `CheckpointSetting.parse` reads it back)."""
+    if name == "checkpoint":
+        return str(cfg.checkpoint)
     return "none" if v is None else (str(v) if not isinstance(v, (int, float)) else v)

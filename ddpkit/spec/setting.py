@@ -1,6 +1,7 @@
 """`CheckpointSetting`: which of a model's blocks are checkpointed, as one value.
 
-It validates itself against the model's blocks, lays them out in *segments* (runs of
+It is bound to the model's stacks (one cannot be made without them), validates itself against
+them, lays the blocks out in *segments* (runs of
 consecutive blocks, each either checkpointed or plain), has one text form (``str(setting)``:
 what records, tables and the CLI carry, and `parse` reads back) and one label a person reads
 (`label`). The engine's `policies.CheckpointPolicy` installs it on a model.
@@ -25,26 +26,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CheckpointSetting:
-    """A checkpoint setting checked against a block count. ``value`` is what people write:
-    None, an int (segments), 'full', or a tuple of booleans (one per block). ``stacks``: the
-    blocks of each stack, in order, where the model has several (T5's encoder and decoder:
-    ``(4, 4)``); ``()`` is one stack of ``n_blocks``. Segments never cross a stack: an int
-    setting makes its segments in each stack, as ``checkpoint_sequential`` would run each."""
+    """A checkpoint setting bound to a model's stacks. ``value`` is what people write: None, an
+    int (segments), 'full', or a tuple of booleans (one per block). ``stacks``: the blocks of
+    each stack, in order: ``(6,)`` (an int, 6, says the same) for one stack of 6, ``(4, 4)`` for
+    T5's encoder and decoder. Segments never cross a stack: an int setting makes its segments in
+    each stack, as ``checkpoint_sequential`` would run each.
+
+    A setting equals another of the same value on the same stacks, and the plain value it
+    holds (``cfg.checkpoint == 2``, ``== [True, False]``, ``== None``), so code that compared
+    the plain value compares the setting alike."""
     value: object
-    n_blocks: int
-    stacks: tuple = ()
+    stacks: tuple
 
     def __post_init__(self):
+        stacks = (self.stacks,) if isinstance(self.stacks, int) else tuple(self.stacks or ())
+        if not stacks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1
+                             for k in stacks):
+            raise ValueError(f"CheckpointSetting: stacks={self.stacks!r} must be the blocks of "
+                             f"each of the model's stacks (positive counts; an int for one "
+                             f"stack): TrainConfig.checkpoint is bound to its model's stacks")
+        object.__setattr__(self, "stacks", stacks)
         v, n = self.value, self.n_blocks
         if isinstance(v, list):
             object.__setattr__(self, "value", v := tuple(v))
-        stacks = tuple(self.stacks or ())
-        if sum(stacks) not in (0, n) or any(not isinstance(k, int) or k < 1 for k in stacks):
-            raise ValueError(f"CheckpointSetting: stacks={stacks} must be positive block counts "
-                             f"adding up to n_blocks={n}")
-        object.__setattr__(self, "stacks", stacks if len(stacks) > 1 else ())
         if v is None or v == "full":
             return
         if isinstance(v, bool):
@@ -63,7 +69,7 @@ class CheckpointSetting:
 
     def _check_segments(self, v):
         n = self.n_blocks
-        if not self.stacks:
+        if len(self.stacks) == 1:
             if not 1 <= v <= n:
                 raise ValueError(f"TrainConfig.checkpoint={v}: segments must be between 1 and "
                                  f"n_blocks={n}; pass checkpoint<={n}, 'full', or None")
@@ -76,34 +82,51 @@ class CheckpointSetting:
                              f"checkpoint<={shortest}, 'full', None, or a list of {n} booleans")
 
     @classmethod
-    def of(cls, value, n_blocks, stacks=()):
-        """A setting from its plain value (or a setting, re-checked for ``n_blocks`` and
-        ``stacks``)."""
+    def of(cls, value, stacks):
+        """The setting of ``value`` on ``stacks``: a plain value (None, an int, 'full', a list),
+        its text form (`parse`), or a setting (bound again, and checked, when its stacks
+        differ)."""
         if isinstance(value, cls):
-            same = value.n_blocks == n_blocks and value.stacks == cls(None, n_blocks, stacks).stacks
-            return value if same else cls(value.value, n_blocks, stacks)
-        return cls(value, n_blocks, stacks)
+            return value if value.stacks == cls(None, stacks).stacks else cls(value.value, stacks)
+        if isinstance(value, str) and value != "full":
+            value = cls.parse(value)
+        return cls(value, stacks)
 
     @classmethod
-    def from_mask(cls, mask, stacks=()):
+    def from_mask(cls, mask, stacks):
         """A selective setting from one boolean per block (all False is None)."""
         mask = tuple(bool(b) for b in mask)
-        return cls(mask if any(mask) else None, len(mask), stacks)
+        return cls(mask if any(mask) else None, stacks)
+
+    def with_value(self, value):
+        """Another value (plain, text, or a setting) on these stacks."""
+        return CheckpointSetting.of(value, self.stacks)
+
+    @property
+    def n_blocks(self):
+        """Blocks over all stacks."""
+        return sum(self.stacks)
+
+    @property
+    def several(self):
+        """Does the model have several stacks (segments then count per stack)?"""
+        return len(self.stacks) > 1
 
     @property
     def spans(self):
         """[(start, stop), ...]: each stack's blocks, counted over all stacks in order."""
         out, start = [], 0
-        for k in self.stacks or (self.n_blocks,):
+        for k in self.stacks:
             out.append((start, start + k))
             start += k
         return out
 
     @staticmethod
     def parse(text):
-        """The plain value of the setting's text form (``str(setting)``, what the CLI takes):
-        ``none`` | ``S`` (segments) | ``full`` | ``1,0,1,0,`` (one 0/1 per block; a list always
-        has a comma, so ``1,`` is one block and ``1`` one segment)."""
+        """The plain value of the setting's text form (``str(setting)``, what records, tables
+        and the CLI carry): ``none`` | ``S`` or ``S per stack`` (segments) | ``full`` |
+        ``1,0,1,0,`` (one 0/1 per block; a list always has a comma, so ``1,`` is one block and
+        ``1`` one segment)."""
         text = text.strip()
         if text.lower() in ("none", "off"):
             return None
@@ -112,15 +135,43 @@ class CheckpointSetting:
         if "," in text:
             return [t.strip().lower() in ("1", "true") for t in text.split(",") if t.strip()]
         try:
-            return int(text)
+            return int(text.lower().removesuffix("per stack").strip())
         except ValueError:
             raise ValueError(f"TrainConfig.checkpoint={text!r}: write none, a segment count, "
                              f"full, or one 0/1 per block with commas (1,0,1,0,)") from None
 
     @property
     def plain(self):
-        """The value as config and records hold it (a list, not a tuple, for a selective one)."""
+        """The value as one writes it (a list, not a tuple, for a selective one): for the edges
+        that take plain data (JSON, ``TrainConfig.to_dict``)."""
         return list(self.value) if isinstance(self.value, tuple) else self.value
+
+    @property
+    def segment_count(self):
+        """An int setting's segments (per stack), else None: the Lab's segments control."""
+        v = self.value
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    @property
+    def names_blocks(self):
+        """Does it name blocks ('full', or one boolean per block) rather than count segments?
+        Then the Lab's per-block control shows it, not the segments control."""
+        return isinstance(self.value, (tuple, str))
+
+    def __eq__(self, other):
+        if isinstance(other, CheckpointSetting):
+            return (self.value, self.stacks) == (other.value, other.stacks)
+        if isinstance(other, list):
+            other = tuple(other)
+        if other is None or isinstance(other, (int, str, tuple)):
+            return self.value == other
+        return NotImplemented
+
+    def __hash__(self):
+        return hash(self.value)  # equal plain values hash alike (a list has no hash)
+
+    def __repr__(self):
+        return f"CheckpointSetting({self.plain!r}, stacks={self.stacks})"
 
     @property
     def segments(self):
@@ -162,18 +213,19 @@ class CheckpointSetting:
         if v == "full" or (isinstance(v, tuple) and all(v)):
             return "every block"
         if isinstance(v, int):
-            return f"{v} segments" + (" per stack" if self.stacks else "")
+            return f"{v} segments" + (" per stack" if self.several else "")
         on = [i for i, b in enumerate(mask) if b]
         return ("block " if len(on) == 1 else "blocks ") + _indices_text(on, self.n_blocks)
 
     def __str__(self):
-        """The one text form: 'none', '2', 'full', '1,0,1,0,' (`parse` reads it back)."""
+        """The one text form: 'none', '2' ('2 per stack' on several stacks), 'full',
+        '1,0,1,0,' (`parse` reads it back)."""
         v = self.value
         if v is None:
             return "none"
         if isinstance(v, tuple):
             return ",".join("1" if b else "0" for b in v) + ","
-        return str(v)
+        return f"{v} per stack" if isinstance(v, int) and self.several else str(v)
 
 
 
