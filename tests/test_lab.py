@@ -456,7 +456,7 @@ def test_every_widget_of_a_lab_opens_with_its_whole_state(extra, opening):
         assert opened[lab.controls["segments"].comm.comm_id]["value"] == (
             checkpoint if isinstance(checkpoint, int) else 0)
         # the read-out opened saying what the controls say (a micro batch of 64, not 100)
-        assert opened[lab.estimate_html.comm.comm_id]["value"] == ddpkit.lab.controls \
+        assert opened[lab.estimate_html.comm.comm_id]["value"] == ddpkit.lab.sync \
             .readout(lab.config)[0]
         assert list(opened[lab.traceback.comm.comm_id]["titles"]) == ["traceback"]
 
@@ -466,11 +466,52 @@ def test_a_smoothing_factor_outside_0_to_1_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"LivePlots\(ema=1\): .* \[0, 1\); pass e.g. ema=0.95"):
         ddpkit.LivePlots(ema=1)
-    panels = sum(t.name == "ddpkit-peak-panel" for t in threading.enumerate())
+    before = set(threading.enumerate())
     with pytest.raises(ValueError, match=r"Lab\(ema=-0.1\): the smoothing factor"):
         ddpkit.Lab(ddpkit.TrainConfig(**CFG), ema=-0.1)
-    # refused before the Lab's peak panel starts its thread
-    assert sum(t.name == "ddpkit-peak-panel" for t in threading.enumerate()) == panels
+    # refused before the Lab starts its predictor thread
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
+
+
+def test_closing_a_lab_leaves_no_thread_of_it_alive():
+    import threading
+
+    before = set(threading.enumerate())
+    lab = ddpkit.Lab(ddpkit.TrainConfig(**CFG))
+    lab.set(segments=2)  # a read-out whose peak the predictor simulates
+    mine = [t for t in threading.enumerate() if t not in before]
+    assert lab.predictor.thread in mine  # one predictor thread per Lab
+    lab.close()
+    assert not [t.name for t in mine if t.is_alive()]
+
+
+def test_a_control_is_one_row_of_the_table():
+    from ddpkit.lab import controls
+
+    row = controls.Control("warmup_steps", "warmup_steps", controls.slider("warmup", 0, 100),
+                           live=True, mark=lambda v, setting: f"warmup {v}")
+    controls.CONTROLS.append(row)  # what adding a control to ddpkit is: one row
+    try:
+        with ddpkit.Lab(ddpkit.TrainConfig(**CFG, warmup_steps=3)) as lab:
+            assert lab.controls["warmup_steps"].value == 3  # the view made it, showing the config
+            lab.set(warmup_steps=5)
+            assert lab.config().warmup_steps == 5  # the sync reads it into the config
+            sent = []
+            lab.sync.running, lab.sync.send = (lambda: True), (lambda **kw: sent.append(kw))
+            lab.set(warmup_steps=7)  # mid-run: a live row's field goes to the ranks
+            assert sent[-1]["warmup_steps"] == 7 and sent[-1]["checkpoint"] == None  # noqa: E711
+            lab.view.set_running(True)
+            assert not lab.controls["warmup_steps"].disabled and lab.controls["steps"].disabled
+        text = controls.change_text({"step": 4, "changed": "warmup_steps", "warmup_steps": 7})
+        assert text == "step 4: warmup 7"  # and the plots mark a change by its row
+    finally:
+        controls.CONTROLS.remove(row)
+
+
+def test_the_per_block_control_hands_the_lab_its_setting(lab):
+    mask = [True, False, True, False]
+    lab.sync.on_blocks(lab.cfg.checkpoint.with_value(mask))  # what the control says it chose
+    assert lab.config().checkpoint == mask
 
 
 def test_a_lab_shows_once_as_a_widget_does(tmp_path):
