@@ -226,3 +226,88 @@ def test_tests_bench_and_notebooks_import_this_package_only():
                 wrong.append(f"{path.name}:{line}: {full} comes from {origin}")
     assert not wrong, "\n".join(wrong)
 
+
+
+def _graph():
+    """module -> {modules it imports, at any depth of the file (inside functions too)}, read
+    from the source; ``from ddpkit.x import y`` counts the submodule ``ddpkit.x.y`` where y is
+    one, else ``ddpkit.x``."""
+    names = {name for name, _, _ in modules()}
+    graph = {}
+    for name, path, is_pkg in modules():
+        edges = set()
+        for target, taken, _ in imports(name, path, is_pkg):
+            subs = [f"{target}.{t}" for t in taken if f"{target}.{t}" in names]
+            edges |= set(subs) or {target}
+            if len(subs) < len(taken):  # names from the module itself, not its submodules
+                edges.add(target)
+        graph[name] = {e for e in edges if e in names and e != name}
+    return graph
+
+
+def _cycle(graph):
+    """One import loop as a list of modules, or None (depth-first search)."""
+    colour, stack = {}, []
+
+    def visit(node):
+        colour[node] = "grey"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if colour.get(nxt) == "grey":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in colour:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        colour[node] = "black"
+        return None
+
+    for node in sorted(graph):
+        if node not in colour:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_loop_between_modules():
+    # a package's __init__ re-exports what is below it: its edges to its own submodules are
+    # not loops (the submodule never needs the package's names), so they are left out
+    graph = {m: {e for e in edges if not e.startswith(m + ".")} for m, edges in _graph().items()}
+    loop = _cycle(graph)
+    assert loop is None, "an import loop: " + " -> ".join(loop)
+
+
+def _imports_inside_functions():
+    """(file:line, the import, the comment on its line or the line above) for every import of
+    a ddpkit module inside a function."""
+    out = []
+    for name, path, is_pkg in modules():
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    own = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "")
+                           .startswith("ddpkit"))) or (isinstance(node, ast.Import) and any(
+                               a.name.startswith("ddpkit") for a in node.names))
+                    if own:
+                        line = lines[node.lineno - 1]
+                        above = lines[node.lineno - 2] if node.lineno > 1 else ""
+                        reason = (line.partition("#")[2] or above.strip().partition("#")[2]).strip()
+                        out.append((f"{path.relative_to(ROOT.parent)}:{node.lineno}",
+                                    line.strip(), reason))
+    return out
+
+
+def test_imports_inside_functions_are_few_and_each_says_why():
+    inside = {(where, what): why for where, what, why in _imports_inside_functions()}
+    unexplained = [f"{where}: {what}" for (where, what), why in inside.items() if not why]
+    assert not unexplained, ("an import inside a function, with no comment saying why it is not "
+                             "at the top of its module:\n" + "\n".join(unexplained))
+    assert len(inside) <= 15, f"{len(inside)} imports inside functions: " + "\n".join(
+        f"{w}: {i}" for w, i in inside)

@@ -53,7 +53,8 @@ def test_catalog_names_and_fields():
 
 def test_a_pool_that_is_not_two_gloo_ranks_is_refused():
     with ddpkit.Pool(1, backend="gloo", device="cpu") as one:
-        with pytest.raises(ValueError, match=r"runs on 2 CPU ranks with gloo"):
+        with pytest.raises(ValueError, match=r"the pitfall lab \(2 CPU ranks with gloo\): "
+                                             r"world_size=2 but the pool has 1 ranks"):
             pitfalls.run("loss_not_scaled", pool=one)
 
 

@@ -133,16 +133,11 @@ class Lab:
         """What the doctor found in the current (or last) run's config."""
         return self.runner.findings
 
-    @property
-    def _pool(self):
-        return self.runner.pool
-
     def run(self):
         """Start a run of the current config; returns at once (see ``wait``)."""
         if self.running or self.follower.alive:
             raise RuntimeError("a run is already going in this lab; stop() or wait() first")
         cfg = self.config()
-        self.runner.pool_for(cfg)
         self.follower.reset(cfg)
         self.runner.check(cfg)
         self.view.output.clear_output()
@@ -171,11 +166,10 @@ class Lab:
         return self.wait()
 
     def close(self):
-        """Stop any run, end the Lab's predictor thread and let go of the warm ranks: they are
+        """Stop any run and end the Lab's predictor thread. The warm ranks its runs used are
         the kernel's shared pool, kept for the next run until idle ``DDPKIT_POOL_IDLE_S``
         seconds or `ddpkit.shutdown()`."""
         self.stop()
-        self.runner.close()
         self.predictor.close()
 
     def __enter__(self):
