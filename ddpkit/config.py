@@ -125,8 +125,9 @@ class TrainConfig:
     """Save a checkpoint every N optimizer steps into save_dir (0: never)."""
     save_dir: str | None = None
     peak_every: int = 25
-    """Peak memory is probed at step 1, every peak_every steps after it, and at the step a
-    mid-run change lands (every step on CUDA, where it is free). On CPU the probe opens a
+    """Peak memory is probed at the run's first two steps (0: the optimizer state is made; 1:
+    DDP rebuilds its buckets), every peak_every steps after step 1, and at the step a mid-run
+    change lands (every step on CUDA, where it is free). On CPU the probe opens a
     profiler window, which roughly doubles that one step's time; 1 probes every step. Activation
     bytes are measured at the first step, every peak_every steps and at a change, and each
     record carries the last measurement (they depend only on the setting and the batch shapes)."""

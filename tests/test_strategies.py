@@ -56,6 +56,7 @@ def test_model_state_bytes_per_rank_match_the_zero_prediction(pool, strategy):
 def test_fsdp_activation_bytes_do_not_count_gathered_parameters(pool):
     cfg = ddpkit.TrainConfig(**BASE, strategy="fsdp", checkpoint=2)
     res = ddpkit.train(cfg, pool=pool)
+    assert len(res.metrics) == cfg.world_size * cfg.steps  # every record checked below
     for m in res.metrics:
         assert abs(m["activation_bytes"] - estimate(cfg).activations) <= 0.05 * estimate(cfg).activations
 

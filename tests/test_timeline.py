@@ -135,7 +135,9 @@ def test_allreduce_rows_match_the_profilers_gloo_events(pool):
 def test_one_large_bucket_starts_only_when_every_block_is_done(pool):
     res = ddpkit.train(ddpkit.TrainConfig(**BIG, bucket_cap_mb=1000), pool=pool)
     tl = res.timeline
-    for (rank, step), g in tl[tl.step >= 1].groupby(["rank", "step"]):
+    groups = list(tl[tl.step >= 1].groupby(["rank", "step"]))
+    assert len(groups) == res.config.world_size * len(set(tl.step[tl.step >= 1]))  # not none
+    for (rank, step), g in groups:
         ar = g[g.kind == "allreduce"]
         largest = ar.loc[ar["bytes"].idxmax()]
         # after every block's backward: only the stem's last gradients complete the bucket

@@ -239,9 +239,9 @@ def test_train_refuses_a_pool_of_another_size(pool):
 
 def test_estimate_stays_the_function_after_its_module_is_imported():
     import importlib
-    importlib.import_module("ddpkit.predict.estimate")
-    cfg = ddpkit.TrainConfig(**TINY)
-    assert ddpkit.estimate(cfg) == ddpkit.estimate(cfg)
+    module = importlib.import_module("ddpkit.predict.estimate")
+    assert ddpkit.estimate is module.estimate  # the function, not its module
+    assert isinstance(ddpkit.estimate(ddpkit.TrainConfig(**TINY)), ddpkit.Estimate)
     assert ddpkit.train.__module__ == "ddpkit.runs.train" and callable(ddpkit.train)
 
 

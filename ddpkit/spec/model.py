@@ -12,6 +12,9 @@ and what it falls back to) to learn what the kernel needs before anything is spa
 the stacks of blocks are and how many blocks each holds, whether it is a
 Hugging Face causal LM (then ``data=None`` means synthetic tokens), whether it switched on its
 own checkpointing. It is cached per factory.
+
+`build_model(plan)` builds the model a `RankPlan` names, as each rank does (seeded, prepared
+for training); `build_fake` and `fake_model` build it on fake tensors for the predictions.
 """
 from __future__ import annotations
 
