@@ -92,6 +92,7 @@ class RankPlan:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self):
-        """Every field but the config, as a checkpoint's meta.json keeps them."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "config"}
+        """Every field but the config, as a checkpoint's meta.json keeps them (the setting's
+        text form, the probes as a sorted list)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
+        return {**d, "checkpoint": str(self.checkpoint), "probes": sorted(self.probes)}
