@@ -114,7 +114,7 @@ def _nonnegative(a, b):
 
 def _launch(fn, *args, world_size, on_metric=None, **kw):
     """``fn`` on the shared warm pool of ``world_size`` CPU ranks (gloo), as a run has them."""
-    return launch(fn, *args, world_size=world_size, backend="gloo", device="cpu", pool=True,
+    return launch(fn, *args, world_size=world_size, backend="gloo", device="cpu", pool="shared",
                   on_metric=on_metric, stall_timeout_s=600, **kw)
 
 
@@ -123,7 +123,8 @@ def _reference_steps(world_size, tick):
     out = []
     for ref in REFERENCES:
         cfg = TrainConfig(**ref, world_size=world_size, backend="gloo", device="cpu")
-        out.append((cfg, _launch(rates.reference_phases, cfg, world_size=world_size).returns[0]))
+        out.append((cfg, _launch(rates.reference_phases, cfg.rank_plan(),
+                                 world_size=world_size).returns[0]))
         tick()
     return out
 
