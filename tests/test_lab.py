@@ -6,6 +6,7 @@ import time
 import pytest
 
 import ddpkit
+import machines
 from ddpkit.lab.plots import thin
 
 CFG = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accum_steps=1,
@@ -359,6 +360,24 @@ def test_the_readout_shows_the_steps_predicted_peak(lab):
     text = html.unescape(lab.estimate_html.value)
     assert f"the step's peak</b>: {ddpkit.predict.units.fmt_bytes(want.bytes)} in the " \
            f"{want.phase}" in text
+
+
+def test_the_readout_predicts_a_steps_time_once_this_machine_is_calibrated(
+        monkeypatch, tmp_path):
+    from ddpkit.predict import calibrate
+
+    monkeypatch.setenv("DDPKIT_CACHE", str(tmp_path))  # nothing calibrated here
+    monkeypatch.setattr(calibrate, "_LOADED", {})
+    with ddpkit.Lab(ddpkit.TrainConfig(**CFG)) as lab:
+        _until(lambda: "the step's peak" in lab.estimate_html.value)
+        assert "ddpkit.calibrate() this machine once" in lab.estimate_html.value
+    machines.install(monkeypatch, tmp_path)
+    with ddpkit.Lab(ddpkit.TrainConfig(**CFG)) as lab:
+        lab.set(segments=2)
+        want = ddpkit.estimate(lab.config()).step_time()
+        _until(lambda: "predicted here" in lab.estimate_html.value)
+        assert f"<b>a step</b>: {1e3 * want.seconds:.1f} ms predicted here" in \
+            html.unescape(lab.estimate_html.value)
 
 
 def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import threading
 
+from ..predict.calibrate import cached
 from ..predict.estimate import estimate
 from ..predict.units import fmt_bytes
 from .controls import CONTROLS, control, live_fields
@@ -103,7 +104,8 @@ class ConfigSync:
             p = e.peak()
             top = sorted(((v, k) for k, v in p.ledger.items() if v), reverse=True)[:3]
             text = (f"<b>the step's peak</b>: {fmt_bytes(p.bytes)} in the {p.phase} ("
-                    + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for v, k in top) + ")")
+                    + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for v, k in top) + ")"
+                    + _step_text(e))
         except Exception as exc:  # noqa: BLE001 (shown in the read-out, never raised here)
             text = f"<span style='color:#b00'>{html.escape(f'{type(exc).__name__}: {exc}')}</span>"
         with self._lock:
@@ -141,6 +143,19 @@ def readout(describe):
         return f"<span style='color:#b00'>{html.escape(str(exc))}</span>", None, None
     e = estimate(cfg)
     return _readout(e, "<i>simulating the step...</i>"), cfg, e
+
+
+def _step_text(e):
+    """The predicted step time on this machine, where it has been calibrated (`calibrate`:
+    the read-out never waits for a calibration), with what most of it goes to."""
+    machine = cached()
+    if machine is None:
+        return ("; <b>a step</b>: <i>ddpkit.calibrate() this machine once (under a minute) "
+                "for its predicted time</i>")
+    st = e.step_time()
+    top = sorted(((v, k) for k, v in st.ledger.items() if v), reverse=True)[:3]
+    return (f"; <b>a step</b>: {1e3 * st.seconds:.1f} ms predicted here ("
+            + ", ".join(f"{k.replace('_', ' ')} {1e3 * v:.1f}" for v, k in top) + ")")
 
 
 def _readout(e, peak_text):

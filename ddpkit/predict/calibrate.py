@@ -132,6 +132,16 @@ def _reference_steps(world_size, tick):
 _LOADED = {}  # cache path -> the Machine this process holds (its replays grow as it predicts)
 
 
+def cached():
+    """This machine's `Machine` if it has been calibrated (the cache), else None: never
+    measures (what the Lab's read-out and `train` use, which must not wait a minute)."""
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    path = cache_path(machine_key(threads))
+    if path in _LOADED or os.path.exists(path):
+        return calibrate(progress=False)
+    return None
+
+
 def calibrate(refresh=False, progress=True):
     """This machine's `Machine` for CPU ranks (gloo): from the cache when it has one for this
     machine, torch and threads per rank, else measured now (about 30-60 s on 2 cores) and
