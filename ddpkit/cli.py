@@ -16,13 +16,15 @@ import sys
 from .config import TrainConfig
 from .devices import under_torchrun
 from .engine.loop import train_rank
-from .engine.policies import CheckpointSetting
+from .spec.setting import CheckpointSetting
 from .predict.units import MIB, fmt_bytes
 from .rank.context import format_record
 from .rank.entry import start_job, torchrun_context, torchrun_main
 from .runs.demo import DEMO_STEPS, demo
 from .runs.result import TrainResult
 from .runs.train import train
+from .workshop.check import run as run_check
+from .workshop.jupyter import workshop
 
 
 def _checkpoint_arg(text):
@@ -82,7 +84,7 @@ def _train_under_torchrun(args):
         start_job(ctx, cfg.seed)  # seeded as a spawned rank would be
         progress = Progress(cfg, args.verbose) if ctx.is_main else None
         ctx.on_record = progress or (lambda record: None)  # only global rank 0 reports
-        train_rank(ctx, cfg, return_weights=False)  # no kernel here to hand them to
+        train_rank(ctx, cfg.rank_plan(), return_weights=False)  # no kernel here to hand them to
         if ctx.is_main:
             progress.close()
             print(summary_table(cfg, ctx.records))
@@ -137,9 +139,6 @@ class Progress:
                                  f"{1000 * record['step_time_s']:.1f} ms/step", refresh=False)
         self.bar.update(1)
         if self.verbose:
-            if "checkpoint" in record:  # the setting's one text form, as the CLI takes it
-                text = str(self.cfg.setting(record["checkpoint"]))
-                record = {**record, "checkpoint": text}
             self.bar.write(format_record(record), file=sys.stdout)
 
     def close(self):
@@ -164,7 +163,7 @@ def summary_table(cfg, records):
             ("step time", f"{1000 * s['step_time_s']:.2f} ms median, IQR "
                           f"{1000 * s['step_time_iqr_s']:.2f} ms" + _predicted(s)),
             ("samples/s", f"{cfg.global_batch / s['step_time_s']:.0f}"),
-            ("checkpoint", cfg.checkpointing.label())]
+            ("checkpoint", cfg.checkpoint.label())]
     if "activation_bytes" in s:
         rows.append(("activations", f"{fmt_bytes(s['activation_bytes'])} per rank"))
     if "peak_bytes" in s:
@@ -187,16 +186,12 @@ def _demo(args):
 
 
 def _check(args):
-    from .workshop.check import run
-
-    report = run()
+    report = run_check()
     print(json.dumps(report.as_json(), indent=1) if args.json else report.table())
     return 0 if report.ready else 1
 
 
 def _workshop(args):
-    from .workshop.jupyter import workshop
-
     return workshop(args.dir, open_browser=not args.no_browser, check=not args.no_check)
 
 

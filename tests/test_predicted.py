@@ -1,21 +1,22 @@
 """Measured beside predicted (issue #44): a run's probed records, its summary, a sweep's row and
 the swimlanes carry the step time predicted for its config, where this machine is calibrated.
 
-"Calibrated" here is a machine of stated round rates (`test_step_time.machine`) put where
+"Calibrated" here is a machine of stated round rates (`machines.synthetic`) put where
 `ddpkit.calibrate()` looks, in a folder of the test's own: no calibration runs in a test, and
 the numbers checked are the prediction's own, not this machine's speed.
 """
 import math
+import os
 
 import pytest
 
 import ddpkit
 from ddpkit.predict import replay
-from ddpkit.predict.calibrate import _threads, machine_key, remember
+from ddpkit.predict.calibrate import machine_key, remember
 from ddpkit.predict.peak import heaviest_rank, predicted_peak, simulated
 from ddpkit.predict.steptime import step_time
 from ddpkit.runs import predicted
-from test_step_time import machine as round_rates
+from machines import synthetic as round_rates
 
 CFG = dict(model="mlp", n_blocks=2, width=16, micro_batch=2, world_size=2, steps=3,
            timeline_every=2, backend="gloo", device="cpu")
@@ -24,8 +25,7 @@ CFG = dict(model="mlp", n_blocks=2, width=16, micro_batch=2, world_size=2, steps
 def calibrate_with_round_rates(*cfgs):
     """This machine's calibration, cached where ``DDPKIT_CACHE`` says: the round rates, with the
     configs' ops marked as timed by the rate tables (so a prediction measures nothing here)."""
-    m = round_rates()
-    m.key = machine_key(_threads())
+    m = round_rates(key=machine_key(max(1, (os.cpu_count() or 1) // 2)))  # as calibrate keys it
     for cfg in cfgs:
         for op in simulated(cfg, heaviest_rank(cfg)).stream:
             if getattr(op, "recipe", None) is not None:

@@ -114,7 +114,7 @@ def _nonnegative(a, b):
 
 def _launch(fn, *args, world_size, on_metric=None, **kw):
     """``fn`` on the shared warm pool of ``world_size`` CPU ranks (gloo), as a run has them."""
-    return launch(fn, *args, world_size=world_size, backend="gloo", device="cpu", pool=True,
+    return launch(fn, *args, world_size=world_size, backend="gloo", device="cpu", pool="shared",
                   on_metric=on_metric, stall_timeout_s=600, **kw)
 
 
@@ -123,7 +123,8 @@ def _reference_steps(world_size, tick):
     out = []
     for ref in REFERENCES:
         cfg = TrainConfig(**ref, world_size=world_size, backend="gloo", device="cpu")
-        out.append((cfg, _launch(rates.reference_phases, cfg, world_size=world_size).returns[0]))
+        out.append((cfg, _launch(rates.reference_phases, cfg.rank_plan(),
+                                 world_size=world_size).returns[0]))
         tick()
     return out
 
@@ -131,11 +132,22 @@ def _reference_steps(world_size, tick):
 _LOADED = {}  # cache path -> the Machine this process holds (its replays grow as it predicts)
 
 
+def cached():
+    """This machine's `Machine` if it has been calibrated (the cache), else None: never
+    measures (what the Lab's read-out and `train` use, which must not wait a minute)."""
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    path = cache_path(machine_key(threads))
+    if path in _LOADED or os.path.exists(path):
+        return calibrate(progress=False)
+    return None
+
+
 def calibrate(refresh=False, progress=True):
     """This machine's `Machine` for CPU ranks (gloo): from the cache when it has one for this
     machine, torch and threads per rank, else measured now (about 30-60 s on 2 cores) and
     kept. ``refresh=True`` measures again."""
-    key = machine_key(_threads())
+    threads = max(1, (os.cpu_count() or 1) // 2)  # what the launcher gives each of 2+ ranks
+    key = machine_key(threads)
     path = cache_path(key)
     if not refresh and path in _LOADED:
         return _LOADED[path]
@@ -167,17 +179,6 @@ def calibrate(refresh=False, progress=True):
     remember(machine)
     _LOADED[path] = machine
     return machine
-
-
-def cached():
-    """This machine's calibration where it has one (in this process, or cached on disk), else
-    None: never measures."""
-    path = cache_path(machine_key(_threads()))
-    return calibrate(progress=False) if path in _LOADED or os.path.exists(path) else None
-
-
-def _threads():
-    return max(1, (os.cpu_count() or 1) // 2)  # what the launcher gives each of 2+ ranks
 
 
 def remember(machine):

@@ -175,8 +175,7 @@ def fastest(cfg, budget, device=None, link=None):
 def _ladder(cfg):
     """Checkpoint settings from the least recompute to the most: segment counts 2, 3, 4, 6,
     8... up to one per block, then every block."""
-    n = min(cfg.checkpointing.spans[i][1] - cfg.checkpointing.spans[i][0]
-            for i in range(len(cfg.checkpointing.spans)))
+    n = min(b - a for a, b in cfg.checkpoint.spans)
     counts = sorted({s for s in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, n) if 2 <= s <= n})
     return [*counts, "full"]
 

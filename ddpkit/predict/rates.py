@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from ..engine import strategies
+from ..engine import policies, strategies
 from ..engine.data import RankBatches, make_dataset
-from ..engine.spec import build_model
 from ..engine.step import train_step, zero_grad
+from ..spec.model import build_model
 
 SIZES = (8, 32, 128, 512, 1024)
 """The grid of matrix sizes (m, n and k each) a matrix product is measured at."""
@@ -245,14 +245,15 @@ def tables(threads):
         torch.set_num_threads(before)
 
 
-def reference_phases(ctx, cfg, steps=12):
-    """This thread's CPU seconds in each phase of ``cfg``'s step on this rank (its own model,
-    policy, wrapping and batches, as `engine.loop.train_rank` builds them), the median over the
-    steps after the first three; and the whole step's (``step``). Rank 0's; None elsewhere."""
-    model = build_model(cfg)[0]
-    cfg.checkpoint_policy().apply(model, cfg.blocks_path)
-    wrapped, optimizer, _ = strategies.wrap(cfg, model, ctx, count_comm=False)
-    data = RankBatches(make_dataset(cfg), ctx.rank, ctx.world_size, shuffle=False)
+def reference_phases(ctx, plan, steps=12):
+    """This thread's CPU seconds in each phase of a step of ``plan`` (a `RankPlan`) on this
+    rank (its own model, policy, wrapping and batches, as `engine.loop.train_rank` builds them),
+    the median over the steps after the first three; and the whole step's (``step``). Rank 0's;
+    None elsewhere."""
+    model = build_model(plan)[0]
+    policies.install(plan, model)
+    wrapped, optimizer, _ = strategies.wrap(plan, model, ctx, count_comm=False)
+    data = RankBatches(make_dataset(plan), ctx.rank, ctx.world_size, shuffle=False)
     seconds = {}
 
     @contextlib.contextmanager
@@ -263,11 +264,12 @@ def reference_phases(ctx, cfg, steps=12):
     out, consumed = [], 0
     for _ in range(steps):
         seconds.clear()
-        batches = data.micro_batches(consumed, cfg.micro_batch, cfg.accum_steps)
-        consumed += ctx.world_size * cfg.micro_batch * cfg.accum_steps
+        batches = data.micro_batches(consumed, plan.micro_batch, plan.accum_steps)
+        consumed += ctx.world_size * plan.micro_batch * plan.accum_steps
         start = time.thread_time()
-        train_step(wrapped, optimizer, batches, accum_steps=cfg.accum_steps, no_sync=cfg.no_sync,
-                   precision=strategies.autocast_precision(cfg), phase=phase)
+        train_step(wrapped, optimizer, batches, accum_steps=plan.accum_steps, no_sync=plan.no_sync,
+                   precision=strategies.autocast_precision(plan), loss_fn=plan.loss_fn,
+                   phase=phase)
         zero_grad(optimizer)
         out.append({**seconds, "step": time.thread_time() - start})
     if ctx.rank:

@@ -9,6 +9,7 @@ import time
 
 from ..config import TrainConfig
 from ..devices import resolve_devices
+from ..predict.calibrate import cache_path, cached, calibrate
 from ..predict.units import fmt_bytes
 from .report import pareto, tradeoff, write_html  # noqa: F401  (ddpkit.tradeoff, pareto: here)
 from .sweep import sweep
@@ -65,8 +66,6 @@ STEP = ("step time, <code>ddpkit.estimate(cfg).step_time()</code>, the rank's st
 def _calibration(cfg, predict, progress):
     """(the sweep's ``predict``, what the report says of the predicted step time): this machine
     calibrated first where ``predict=True`` asks and none is cached (said, with its seconds)."""
-    from ..predict.calibrate import cache_path, cached, calibrate
-
     if predict is False:
         return False, "step time not predicted (predict=False)"
     if resolve_devices(cfg.world_size, cfg.backend, cfg.device)[1] != "cpu":

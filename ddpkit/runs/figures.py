@@ -111,12 +111,13 @@ def predicted_swimlane_figure(timeline, predicted, step=None, link=None):
     guess, _ = swimlane_traces(guess_tl, predicted=True)
     world = int(timeline["rank"].max()) + 1 if not timeline.empty else 1
     ranks = sorted({int(r) for r in guess_tl["rank"]}) or [0]
+    lanes = world + len(ranks)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06,
-                        row_heights=[world / (world + len(ranks)), len(ranks) / (world + len(ranks))])
+                        row_heights=[world / lanes, len(ranks) / lanes])
     for row, traces in ((1, measured), (2, guess)):
         for t in traces:
             fig.add_trace(t, row=row, col=1)
-    layout = swimlane_layout(world, step, link, height=lanes_height(world + len(ranks)) + 30)
+    layout = swimlane_layout(world, step, link, height=lanes_height(lanes) + 30)
     fig.update_layout({k: v for k, v in layout.items() if k not in ("xaxis", "yaxis")})
     guessed = f"predicted {1e3 * predicted.seconds:.1f} ms (below, hatched)"
     if step is None:  # no probed step: the prediction alone

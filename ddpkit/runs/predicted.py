@@ -8,7 +8,8 @@ leave, so it does not slow the steps it is set beside; once the ranks are done i
 Predictions run one at a time (a sweep's settings, the Lab's runs).
 
 Which runs are predicted: ``predict=None`` (the default) those on CPU ranks when this machine's
-calibration is cached (`ddpkit.calibrate` made it once: a run never measures one);
+calibration is cached (`ddpkit.calibrate` made it once: a run never measures one), live runs
+(the Lab's, whose read-out predicts each setting itself) left out;
 ``predict=True`` every CPU run, calibrating first where none is cached (30-60 s, once per
 machine, a progress bar); ``predict=False`` none. The calibration is this machine's CPU ranks
 over gloo: a run on GPUs is not predicted here (``estimate(cfg).step_time(device="H100")`` is
@@ -30,6 +31,9 @@ import sys
 import threading
 
 from ..devices import resolve_devices
+from ..predict.calibrate import cached, calibrate
+from ..predict.peak import predicted_peak
+from ..predict.steptime import step_time
 
 WAIT_S = 60.0
 """How long a blocking ``train`` waits, once its ranks are done, for its prediction (then the
@@ -37,17 +41,15 @@ result says so, and ``res.summary()`` adds it once it is there)."""
 _ONE_AT_A_TIME = threading.Lock()
 
 
-def start(cfg, predict=None):
+def start(cfg, predict=None, live=False):
     """The `Prediction` of a run of ``cfg``, started on its thread, or None (not predicted: see
     the module's docstring). Bad ``predict`` values are refused here, before any rank starts."""
-    if predict is False:
+    if predict is False or predict is None and live:
         return None
     if predict not in (None, True):
         raise ValueError(f"train(predict={predict!r}): pass None (predict where this machine's "
                          f"calibration is cached), True (calibrate first where it is not) or "
                          f"False (no prediction)")
-    from ..predict.calibrate import cached, calibrate
-
     _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     if device != "cpu":
         if predict:
@@ -82,9 +84,6 @@ class Prediction:
         self._thread.start()
 
     def _predict(self):
-        from ..predict.peak import predicted_peak
-        from ..predict.steptime import step_time
-
         _lowest_priority()
         try:
             with _ONE_AT_A_TIME:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import math
 
+from ..engine.saving import atomic_write_bytes
 from ..predict.units import byte_unit, fmt_bytes
 
 MEASURED, PREDICTED = "#1f77b4", "#7f7f7f"
@@ -97,9 +98,9 @@ def tradeoff(df, memory="activation_bytes"):
     # room above the highest point for its label (the labels sit above their points)
     fig.update_yaxes(title_text=f"{what} per rank ({unit})", range=[0, 1.2 * max(mem)],
                      row=1, col=1)
-    fig.update_layout(title=f"Trade-off: {what} vs recompute and vs step time, one point per setting",
-                      height=420, legend=dict(orientation="h", y=-0.2), template="plotly_white",
-                      margin=dict(r=20, t=80))
+    fig.update_layout(title=f"Trade-off: {what} vs recompute and vs step time, one point per "
+                            f"setting", height=420, legend=dict(orientation="h", y=-0.2),
+                      template="plotly_white", margin=dict(r=20, t=80))
     return fig
 
 
@@ -115,7 +116,8 @@ def memory_figure(df):
                 marker_color=MEASURED)
     fig.add_scatter(x=labels, y=df.predicted_activation_bytes / size, mode="markers",
                     name="activations, predicted",
-                    marker=dict(symbol="diamond-open", size=11, color=PREDICTED, line=dict(width=2)))
+                    marker=dict(symbol="diamond-open", size=11, color=PREDICTED,
+                                line=dict(width=2)))
     fig.add_scatter(x=labels, y=df.peak_bytes / size, mode="markers+lines", name="peak, measured",
                     line=dict(color="#ff7f0e"))
     peak = _predicted(df, "predicted_peak_bytes")
@@ -238,7 +240,5 @@ def report_html(df, cfg, how=""):
 
 def write_html(df, cfg, path, how=""):
     """The report written atomically to ``path``."""
-    from ..engine.saving import atomic_write_bytes
-
     atomic_write_bytes(path, report_html(df, cfg, how).encode("utf-8"))
     return path

@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..config import TrainConfig
+from ..predict.estimate import estimate
 from .figures import predicted_swimlane_figure, swimlane_figure
 from .timeline import ddp_frame, link_label, overlap, timeline_frame
 
@@ -71,8 +72,6 @@ class TrainResult:
         if p is not None and p.step_time is not None:
             st = p.step_time
         else:
-            from ..predict.estimate import estimate
-
             st = estimate(self.config).step_time()
         return predicted_swimlane_figure(self.timeline, st, step, link_label(self.config))
 

@@ -9,6 +9,7 @@ import itertools
 from ..config import TrainConfig
 from ..devices import resolve_devices
 from ..predict.estimate import estimate, traced_flops
+from ..runtime.launch import resolve_pool
 from ..runtime.pool import Pool
 from .train import train
 
@@ -19,7 +20,7 @@ def recompute_flops_ratio(cfg):
     """FLOPs of one micro-batch's forward+backward under cfg's policy over those without
     checkpointing, counted with FlopCounterMode (no clock noise) on the estimate's
     FakeTensorMode model (no memory)."""
-    return traced_flops(cfg) / traced_flops(cfg, cfg.setting(None))
+    return traced_flops(cfg) / traced_flops(cfg, cfg.checkpoint.with_value(None))
 
 
 SWEEP_COLUMNS = ("final_loss", "step_time_ms", "predicted_step_ms", "step_time_iqr_ms",
@@ -28,7 +29,7 @@ SWEEP_COLUMNS = ("final_loss", "step_time_ms", "predicted_step_ms", "step_time_i
                  "recompute_flops_ratio", "result")
 
 
-def sweep(cfg: TrainConfig, pool=None, progress=True, predict=None, **grid):
+def sweep(cfg: TrainConfig, pool="shared", progress=True, predict=None, **grid):
     """One run per combination of the grid's values, e.g.
     ``sweep(cfg, checkpoint=[None, 2, 4], accum_steps=[1, 2])``.
 
@@ -51,9 +52,9 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, predict=None, **grid):
     setting's prediction runs beside its run, at the lowest CPU priority.
 
     progress: a ``tqdm.auto`` bar over every setting's steps (a widget in a notebook, a text bar
-    on stderr elsewhere); False for none. pool: None (the default) runs every setting on the
-    kernel's shared warm pools; False launches fresh ranks for each; a `ddpkit.Pool` serves the
-    settings of its world size, backend and device.
+    on stderr elsewhere); False for none. pool: ``"shared"`` (the default) runs every setting
+    on the kernel's warm pools; ``"fresh"`` launches ranks for each; a `ddpkit.Pool` serves
+    the settings of its world size, backend and device (the others run on the shared pools).
     """
     import pandas as pd
 
@@ -64,15 +65,16 @@ def sweep(cfg: TrainConfig, pool=None, progress=True, predict=None, **grid):
             raise ValueError(f"sweep: {name}= needs a non-empty list of values, got {values!r}")
     combos = [dict(zip(grid, vals)) for vals in itertools.product(*grid.values())]
     configs = [cfg.replace(**c) for c in combos]  # all checked before anything runs
+    pool = resolve_pool(pool)
     given = {}  # a pool passed in serves its (world size, backend, device); the rest run on
-    if isinstance(pool, Pool):  # the kernel's shared pools (or fresh ranks with pool=False)
-        given[(pool.world_size, pool.backend, pool.device)] = pool
+    if isinstance(pool, Pool):  # the kernel's shared pools
+        given[(pool.world_size, pool.backend, pool.device)], pool = pool, "shared"
     rows = []
     bar = _sweep_bar(progress, sum(c.steps for c in configs))
     try:
         for combo, c in zip(combos, configs):
             key = (c.world_size, *resolve_devices(c.world_size, c.backend, c.device))
-            run_on = given.get(key, False if pool is False else None)
+            run_on = given.get(key, pool)
             label = ", ".join(f"{k}={_label(k, v, c)}" for k, v in combo.items())
             if bar is not None:  # a new setting: no loss shown until its own first step lands
                 bar.set_postfix_str("", refresh=False)
@@ -121,7 +123,8 @@ def _bar_updater(bar):
 
 def _label(name, v, cfg):
     """A grid value as the table shows it: numbers as numbers, None as 'none', a checkpoint
-    setting in its one text form ('full', '1,0,1,0,')."""
-    if name == "checkpoint" and not isinstance(v, int):
-        return str(cfg.checkpointing)
+    setting in its one text form ('2', '2 per stack' on a model of several stacks, 'full',
+    '1,0,1,0,': `CheckpointSetting.parse` reads it back)."""
+    if name == "checkpoint":
+        return str(cfg.checkpoint)
     return "none" if v is None else (str(v) if not isinstance(v, (int, float)) else v)

@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 
+from ..devices import cuda_gpus
 from . import curriculum, packages
 
 OK, WARN, FAIL, SKIPPED = "ok", "warn", "fail", "skipped"
@@ -61,8 +62,6 @@ def torch_row(ctx):
     build = (f"CUDA {torch.version.cuda} build" if torch.version.cuda
              else f"ROCm {torch.version.hip} build" if getattr(torch.version, "hip", None)
              else "CPU build")
-    from ..devices import cuda_gpus
-
     gpus = cuda_gpus()  # NVML: no CUDA context is made here
     seen = (f"{len(gpus)} GPU(s), compute capability " + ", ".join(f"{a}.{b}" for a, b in gpus)
             if gpus else "no GPU: ranks run on CPU with gloo")
@@ -158,6 +157,8 @@ def _probe(ctx, rounds=PROBE_ROUNDS):
 def launch_and_probe():
     """A real 2-rank gloo launch on loopback with ddpkit's `Pool`, then warm re-runs of
     `_probe`: (cold start and first run s, one warm re-run s, the probe's s: best of 3)."""
+    # the launch is the last check: where the runtime cannot even be imported (a torch without
+    # torch.distributed), every check before it has still been made and reported
     from ..runtime.pool import Pool, shutdown
 
     t = time.monotonic()

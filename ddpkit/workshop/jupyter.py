@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from . import curriculum, packages
+from .check import run
 
 STOP_WAIT_S = 30  # JupyterLab's own shutdown of its kernels; killed after that
 
@@ -40,8 +41,6 @@ def workshop(folder, open_browser=True, check=True, out=None):
     folder = Path(folder).resolve()
     report_copy(folder, curriculum.copy_into(folder), out)
     if check:
-        from .check import run
-
         report = run()
         print(report.table(), file=out, flush=True)
     if packages.installed("jupyterlab") is None:

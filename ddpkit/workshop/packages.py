@@ -15,6 +15,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from .curriculum import needing, numbers
+
 LAB_FIX = 'pip install "ddpkit[lab]"'
 
 
@@ -173,8 +175,6 @@ def widgets_row():
 
 
 def hf_row():
-    from .curriculum import needing, numbers
-
     problem = versions_problem(("transformers", "peft"), ddpkit_requires("lab"), LAB_FIX)
     if problem:
         dist, found, fix = problem
