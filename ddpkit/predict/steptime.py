@@ -25,6 +25,7 @@ import os
 from ..engine.timeline import ring_allreduce_s
 from . import hardware
 from .calibrate import calibrate
+from .gpuplay import play_cuda
 from .optrace import Mark, Op
 from .peak import heaviest_rank, simulated
 
@@ -254,26 +255,37 @@ def _timeline_mark(e, t, opened, row):
 
 def step_time(cfg, device=None, link=None, rank=None, machine=None):
     """The predicted `StepTime` of ``cfg``'s optimizer step on rank ``rank`` (None: the
-    heaviest, as `peak` picks it). ``device=None``: this machine's CPU ranks over gloo, from its
-    calibration (`calibrate.calibrate`: measured on first use, then cached); a name
-    (``"H100"``, ``"A100-80GB"``...: `hardware.DEVICES`): that device's roofline. ``link``: a
-    simulated link for this machine (None: the config's own ``link_gbps``), or, for a named
-    device, the network between its nodes (``"400Gbps"``, ``"NVLink4"``, a number of Gbit/s;
-    `hardware.link`). ``machine``: a `Machine` to use as it is."""
-    if machine is None:
-        machine = calibrate() if device is None else hardware.machine(device)
-    sim = simulated(cfg, heaviest_rank(cfg) if rank is None else rank)
-    if device is None and machine.kind == "measured":
-        ranks, slow = cfg.world_size, machine.slowdown(cfg.world_size, os.cpu_count() or 1)
-        gbps = _gbps(link) if link is not None else cfg.link_gbps
-        wire = (gbps, cfg.link_latency_us) if gbps or cfg.link_latency_us else None
-    else:
-        ranks, slow, wire = cfg.world_size, 1.0, None
-        machine = hardware.with_link(machine, link, cfg.world_size)
+    heaviest, as `peak` picks it). ``device=None``: this machine's ranks, from its calibration
+    (`calibrate.calibrate`: measured on first use, then cached; CPU ranks over gloo, or this
+    machine's GPUs where it has them); a name (``"H100"``, ``"A100-80GB"``...:
+    `hardware.DEVICES`) or a `hardware.Device`: that GPU's rank, simulated as the CUDA rank it
+    is (`hardware.target`) and played with CUDA's streams (`gpuplay`) on its roofline.
+    ``link``: a simulated link for this machine's CPU ranks (None: the config's own
+    ``link_gbps``), or, for a named device, the network between its nodes (``"400Gbps"``,
+    ``"NDR"``, a number of Gbit/s per GPU; `hardware.network`): needed once ``world_size``
+    spans nodes. ``machine``: a `Machine` to use as it is."""
+    target = None
+    if device is not None:
+        target = hardware.target(device)
+        machine = hardware.with_link(machine or hardware.machine(device), link, cfg.world_size)
+    elif machine is None:
+        machine = calibrate()
+    if machine.kind == "cuda" and target is None:  # this machine's GPUs, calibrated
+        target = _local_target(cfg)
+    sim = simulated(cfg, heaviest_rank(cfg, target) if rank is None else rank, target)
     cap = (cfg.bucket_cap_mb or 25) * 2**20
     caps = (2**20 if cfg.bucket_cap_mb is None else cap, cap)  # torch's first bucket: 1 MiB
-    seconds, ledger, rows, spans = play(sim.stream, machine, ranks=ranks, slowdown=slow,
-                                        link=wire, rank=sim.rank, caps=caps)
+    if target is not None:
+        seconds, ledger, rows, spans = play_cuda(sim.stream, machine, ranks=cfg.world_size,
+                                                 rank=sim.rank, caps=caps)
+    else:
+        slow = 1.0
+        if machine.kind == "measured":
+            slow = machine.slowdown(cfg.world_size, os.cpu_count() or 1)
+        gbps = _gbps(link) if link is not None else cfg.link_gbps
+        wire = (gbps, cfg.link_latency_us) if gbps or cfg.link_latency_us else None
+        seconds, ledger, rows, spans = play(sim.stream, machine, ranks=cfg.world_size,
+                                            slowdown=slow, link=wire, rank=sim.rank, caps=caps)
     comm = _union([(s, e) for s, e, *_ in spans])
     hidden = comm - ledger["exposed_comm"]
     samples = cfg.world_size * cfg.micro_batch * cfg.accum_steps
@@ -282,6 +294,18 @@ def step_time(cfg, device=None, link=None, rank=None, machine=None):
     return StepTime(seconds, ledger, comm, hidden / comm if comm else float("nan"), samples,
                     samples * cfg.seq_len if _sequences(cfg) else 0, flops, machine.name, rows,
                     machine.peak_flops.get(dtype), notes=list(machine.notes))
+
+
+def _local_target(cfg):
+    """The `attention.CudaTarget` of this machine's first GPU (a calibrated GPU machine)."""
+    from ..devices import cuda_gpus
+    from .attention import CudaTarget
+
+    gpus = cuda_gpus()
+    if not gpus:
+        raise ValueError("step_time(machine=...): a GPU's calibration needs that GPU here; pass "
+                         "device='H100' (a named device) or machine=calibrate() on this machine")
+    return CudaTarget.of_gpu(gpus[0])
 
 
 def _sequences(cfg):
