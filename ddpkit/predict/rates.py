@@ -325,8 +325,9 @@ def kernel_cost(device, n=100):
     """A kernel's fixed cost on the device: a tiny kernel's time, replayed ``n`` at a time from
     a CUDA graph (no launch from the host between them)."""
     y = torch.ones(8, device=device)
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):  # graphs are captured off the default stream
+    stream = torch.cuda.Stream(device)  # warmed up off the default stream (torch's CUDA
+    stream.wait_stream(torch.cuda.current_stream(device))  # graphs docs), then captured
+    with torch.cuda.stream(stream):
         y.mul_(1.0)
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
