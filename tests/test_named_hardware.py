@@ -142,6 +142,10 @@ def test_a_cuda_ranks_stream_carried_from_3_and_4_blocks_plays_as_the_whole():
     carried = streams.extend(sims[3], sims[4], 6)
     marks = lambda s: [(e.what, e.stream) for e in s if not isinstance(e, Op)]  # noqa: E731
     assert marks(carried) == marks(sims[6])  # FSDP2's events and streams, block by block
+    # the foreach optimizer's ops, over lists one block longer, after one more block's reads
+    # of its step counts
+    moved = lambda s: sum(e.bytes for e in s if isinstance(e, Op) and e.phase == "optimizer")  # noqa: E731
+    assert moved(carried) == moved(sims[6])
     # a slow link, so that each all-gather's place among the events decides the step
     slow = hardware.with_link(hardware.machine("H100"), None, 2)
     slow.collectives["link"] = [2e8, 1e-5]
