@@ -33,8 +33,13 @@ where a collective or another stream held it back, else the kernel's kind (the h
 issuing: the framework's cost); a kernel's own time is its kind. NCCL's kernels take SMs
 from compute while both run: a kernel that starts while a collective runs is slower by
 ``Machine.comm_cpu_share`` (a named device's is `hardware.NCCL_SM_SHARE`). Not modelled: the
-caching allocator's own syncs and retries near a full GPU, clocks lowered by a power limit,
-CPU autocast's op lists standing in for CUDA autocast's (`simulate`'s notes).
+caching allocator's own syncs and retries near a full GPU, clocks lowered by a power limit;
+and the simulation's autocast is CPU autocast (a CPU build cannot run CUDA's): its
+lower-precision list has the same matrix products and attention as CUDA's, but CUDA's fp32
+list (the norms, softmax, losses, ``pow``/``exp``/``rsqrt``) is longer, so an op there runs in
+bf16 in the simulation where it would run in fp32 on a GPU. transformers' models compute those
+in fp32 themselves (Llama's RMSNorm upcasts, the causal-LM loss upcasts the logits), and FSDP's
+mixed precision runs without autocast.
 """
 from __future__ import annotations
 
