@@ -36,8 +36,8 @@ from compute while both run: a kernel that starts while a collective runs is slo
 caching allocator's own syncs and retries near a full GPU, clocks lowered by a power limit;
 and the simulation's autocast is CPU autocast (a CPU build cannot run CUDA's): its
 lower-precision list has the same matrix products and attention as CUDA's, but CUDA's fp32
-list (the norms, softmax, losses, ``pow``/``exp``/``rsqrt``) is longer, so an op there runs in
-bf16 in the simulation where it would run in fp32 on a GPU. transformers' models compute those
+list (the norms, softmax, losses, ``pow``/``exp``/``rsqrt``) is longer, so such an op runs in
+its input's dtype (bf16 after a bf16 matmul) where a GPU would run it in fp32. transformers' models compute those
 in fp32 themselves (Llama's RMSNorm upcasts, the causal-LM loss upcasts the logits), and FSDP's
 mixed precision runs without autocast.
 """
