@@ -127,6 +127,10 @@ def test_calibrate_measures_the_gpus_where_there_are_some(tmp_path, monkeypatch)
     # kept per machine and GPUs: asked again, it comes from the cache
     monkeypatch.setattr(calibrate, "calibrate_gpu", lambda *a: pytest.fail("measured again"))
     assert calibrate.calibrate(progress=False).name == made.name
+    # a config of CPU ranks on a GPU machine: the CPU's calibration, kept apart
+    cpu = Machine("stand-in for the CPU ranks' figures")
+    monkeypatch.setattr(calibrate, "_calibrate_cpu", lambda key, progress: cpu)
+    assert calibrate.calibrate(progress=False, device="cpu") == cpu
 
 
 def test_a_cuda_ranks_stream_carried_from_3_and_4_blocks_plays_as_the_whole():

@@ -145,12 +145,20 @@ def _reference_steps(world_size, tick):
     return out
 
 
-def calibrate(refresh=False, progress=True):
+def calibrate(refresh=False, progress=True, device=None):
     """This machine's `Machine`: from the cache when it has one for this machine, torch and
-    threads per rank, else measured now and kept. Where CUDA GPUs are visible, their ranks'
-    (`calibrate_gpu`: NCCL, one rank per GPU, up to 8); else CPU ranks over gloo (about 30-60
-    s on 2 cores). ``refresh=True`` measures again."""
+    threads per rank, else measured now and kept. ``device="cuda"`` (the default where CUDA
+    GPUs are visible): its GPUs' ranks (`calibrate_gpu`: NCCL, one rank per GPU, up to 8);
+    ``"cpu"`` (the default elsewhere): CPU ranks over gloo (about 30-60 s on 2 cores).
+    ``refresh=True`` measures again."""
     gpus = cuda_gpus()
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"calibrate(device={device!r}): pass 'cpu', 'cuda' or None (the GPUs "
+                         f"where there are some)")
+    if device == "cuda" and not gpus:
+        raise ValueError("calibrate(device='cuda'): this machine has no visible CUDA GPU; pass "
+                         "device='cpu', or step_time(device='H100') for a named GPU")
+    gpus = gpus if device != "cpu" else []
     threads = max(1, (os.cpu_count() or 1) // 2)  # what the launcher gives each of 2+ ranks
     key = machine_key(threads) + (f" | {len(gpus)} GPU(s) {gpus}" if gpus else "")
     path = cache_path(key)

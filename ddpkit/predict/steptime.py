@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ..devices import resolve_devices
 from ..engine.timeline import ring_allreduce_s
 from . import hardware
 from .calibrate import calibrate
@@ -268,8 +269,8 @@ def step_time(cfg, device=None, link=None, rank=None, machine=None):
     if device is not None:
         target = hardware.target(device)
         machine = hardware.with_link(machine or hardware.machine(device), link, cfg.world_size)
-    elif machine is None:
-        machine = calibrate()
+    elif machine is None:  # the calibration of the ranks the config runs: CPU or GPU
+        machine = calibrate(device=resolve_devices(cfg.world_size, cfg.backend, cfg.device)[1])
     if machine.kind == "cuda" and target is None:  # this machine's GPUs, calibrated
         target = _local_target(cfg)
     sim = simulated(cfg, heaviest_rank(cfg, target) if rank is None else rank, target)
