@@ -7,7 +7,9 @@ per dispatched op in each phase to them (least squares over their simulated stre
 that is most of a small step); measures how much slower a rank computes when more ranks than
 cores share the machine (a reference step on 4 ranks against 2); and keeps the answer per
 machine, torch version and threads per rank as JSON in ``~/.cache/ddpkit/calibration/``
-(``DDPKIT_CACHE`` moves it). ``refresh=True`` measures again.
+(``DDPKIT_CACHE`` moves it). ``refresh=True`` measures again. On a machine with CUDA GPUs it
+measures them instead (`calibrate_gpu`): the same figures on the GPU, timed with CUDA events,
+the host's cost of issuing each op, a kernel's fixed cost, NCCL's collectives on real ranks.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import numpy as np
 import torch
 
 from ..config import TrainConfig
+from ..devices import cuda_gpus
 from ..engine.saving import atomic_write_bytes
 from ..runtime.launch import launch
-from . import rates, replay
+from . import hardware, rates, replay
 from .machine import Machine
 from .optrace import Op
 from .simulate import simulate
@@ -133,21 +136,30 @@ _LOADED = {}  # cache path -> the Machine this process holds (its replays grow a
 
 
 def cached():
-    """This machine's `Machine` if it has been calibrated (the cache), else None: never
-    measures (what the Lab's read-out and `train` use, which must not wait a minute)."""
-    threads = max(1, (os.cpu_count() or 1) // 2)
-    path = cache_path(machine_key(threads))
+    """This machine's `Machine` for CPU ranks if it has been calibrated (the cache), else None:
+    never measures (what the Lab's read-out and `train` use, which must not wait a minute)."""
+    path = cache_path(machine_key(max(1, (os.cpu_count() or 1) // 2)))
     if path in _LOADED or os.path.exists(path):
-        return calibrate(progress=False)
+        return calibrate(progress=False, device="cpu")
     return None
 
 
-def calibrate(refresh=False, progress=True):
-    """This machine's `Machine` for CPU ranks (gloo): from the cache when it has one for this
-    machine, torch and threads per rank, else measured now (about 30-60 s on 2 cores) and
-    kept. ``refresh=True`` measures again."""
+def calibrate(refresh=False, progress=True, device=None):
+    """This machine's `Machine`: from the cache when it has one for this machine, torch and
+    threads per rank, else measured now and kept. ``device="cuda"`` (the default where CUDA
+    GPUs are visible): its GPUs' ranks (`calibrate_gpu`: NCCL, one rank per GPU, up to 8);
+    ``"cpu"`` (the default elsewhere): CPU ranks over gloo (about 30-60 s on 2 cores).
+    ``refresh=True`` measures again."""
+    gpus = cuda_gpus()
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"calibrate(device={device!r}): pass 'cpu', 'cuda' or None (the GPUs "
+                         f"where there are some)")
+    if device == "cuda" and not gpus:
+        raise ValueError("calibrate(device='cuda'): this machine has no visible CUDA GPU; pass "
+                         "device='cpu', or step_time(device='H100') for a named GPU")
+    gpus = gpus if device != "cpu" else []
     threads = max(1, (os.cpu_count() or 1) // 2)  # what the launcher gives each of 2+ ranks
-    key = machine_key(threads)
+    key = machine_key(threads) + (f" | {len(gpus)} GPU(s) {gpus}" if gpus else "")
     path = cache_path(key)
     if not refresh and path in _LOADED:
         return _LOADED[path]
@@ -155,6 +167,47 @@ def calibrate(refresh=False, progress=True):
         with open(path) as fh:
             _LOADED[path] = Machine.from_json(json.load(fh))
         return _LOADED[path]
+    machine = calibrate_gpu(key, min(len(gpus), 8), progress) if gpus else \
+        _calibrate_cpu(key, progress)
+    remember(machine)
+    _LOADED[path] = machine
+    return machine
+
+
+def calibrate_gpu(key, world, progress=True):
+    """This machine's GPUs, measured on ``world`` NCCL ranks (`rates.gpu_figures`)."""
+    bar = _bar(progress)
+    try:
+        res = launch(rates.gpu_figures, world_size=world,
+                     device="cuda", pool="shared", stall_timeout_s=900,
+                     on_metric=lambda r: bar.update(1) if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    return gpu_machine(res.returns[0], world, key)
+
+
+def gpu_machine(fig, world, key=""):
+    """A `Machine` of kind ``"cuda"`` from a CUDA rank's figures (`rates.gpu_figures`): its
+    matrix products, attention, memory-bound ops, host costs and kernel cost as measured; its
+    collectives as measured on ``world`` ranks, or, on one GPU, the catalogue's link for the
+    card (`hardware`) where it knows it; its peak (for MFU) where the catalogue knows it."""
+    device = hardware.device_for(fig["gpu"])
+    collectives = dict(fig.get("collectives") or {})
+    notes = [f"{fig['gpu']}: measured on this machine ({world} GPU(s))"]
+    if not collectives and device is not None:
+        inside = hardware.LINKS[device.nvlink]
+        collectives = {"link": [inside.bus, inside.latency], "node": device.node}
+        notes.append(f"collectives: one GPU here, so the catalogue's {device.nvlink}")
+    peak = {} if device is None else {"bfloat16": device.bf16, "float16": device.bf16,
+                                      "float32": device.fp32}
+    return Machine(f"this machine's {fig['gpu']}", kind="cuda", threads=fig["threads"],
+                   gemm=fig["gemm"], attention=fig["attention"], memory=fig["memory"],
+                   overhead=fig["overhead"], kernel_s=fig["kernel_s"], collectives=collectives,
+                   peak_flops=peak, key=key, notes=notes)
+
+
+def _calibrate_cpu(key, progress):
     bar = _bar(progress)
 
     def tick(record=None):
@@ -176,8 +229,6 @@ def calibrate(refresh=False, progress=True):
     finally:
         if bar is not None:
             bar.close()
-    remember(machine)
-    _LOADED[path] = machine
     return machine
 
 

@@ -51,6 +51,7 @@ from ..spec import empty, rng
 from ..spec.blocks import resolve_blocks
 from ..spec.model import describe_spec, fake_model
 from ..spec.setting import CheckpointSetting
+from . import cudastreams
 from .optrace import OpTrace
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
 from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
@@ -155,11 +156,14 @@ class Simulation:
     step-time prediction times."""
 
 
-def simulate(cfg, rank=0, steps=2, keep=None):
+def simulate(cfg, rank=0, steps=2, keep=None, target=None):
     """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
-    `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`)."""
+    `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`).
+    ``target``: an `attention.CudaTarget` to simulate the rank as a CUDA rank on that GPU
+    (a named device's, `hardware.target`) whatever this machine has; None: the config's own
+    device (a CUDA rank where the config runs on CUDA here)."""
     with _new_objects_only() as thaw:
-        return _simulate(cfg, rank, steps, keep, thaw)
+        return _simulate(cfg, rank, steps, keep, thaw, target)
 
 
 _FREEZE_LOCK = threading.Lock()
@@ -195,10 +199,11 @@ def _new_objects_only():
         _FREEZE_LOCK.release()
 
 
-def _simulate(cfg, rank, steps, keep, thaw):
-    _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
-    cuda = device == "cuda"
-    target = run_target(cfg) if cuda else None
+def _simulate(cfg, rank, steps, keep, thaw, target=None):
+    if target is None:
+        _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
+        target = run_target(cfg) if device == "cuda" else None
+    cuda = target is not None
     plan = cfg.rank_plan()  # what the rank's code reads
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
     wrap_plan = plan.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
@@ -240,7 +245,8 @@ def _simulate(cfg, rank, steps, keep, thaw):
         peaks, segments = [], []
         hooks = _watch_blocks(live, blocks) + trace.watch(
             blocks, model, grads=hasattr(wrapped, "register_comm_hook"))
-        for step in range(steps):
+        streams = cudastreams.recorded(trace) if cuda else contextlib.nullcontext()
+        for step in _within(streams, range(steps)):
             trace.reset()
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
@@ -258,6 +264,12 @@ def _simulate(cfg, rank, steps, keep, thaw):
             h.remove()
         loads = _loads(optimizer, model, cfg.world_size)
     return Simulation(rank, peaks, loads, segments, stream=trace.stream)
+
+
+def _within(context, items):
+    """``items``, iterated inside ``context`` (FSDP2's CUDA streams, recorded)."""
+    with context:
+        yield from items
 
 
 def _first_tensor(values):
