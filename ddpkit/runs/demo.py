@@ -42,7 +42,7 @@ def demo(out="ddpkit-report.html", steps=DEMO_STEPS, segments=SEGMENTS, progress
     ``predict``). True (the default) calibrates this machine first where it has no calibration
     (30-60 s once, then cached: a report without the predictions would lack half of what it
     compares); None predicts only where one is cached; False never. Runs on GPUs are not
-    predicted (the calibration is of CPU ranks)."""
+    predicted here (``sweep(cfg, predict=True)`` calibrates this machine's GPUs and does)."""
     cfg = TrainConfig(**{**DEMO, "steps": steps, **overrides})
     print(f"ddpkit demo: {cfg.model}, {cfg.n_blocks} blocks, width {cfg.width}, "
           f"{cfg.world_size} ranks ({cfg.backend or 'auto'}), micro_batch {cfg.micro_batch} x "
@@ -69,8 +69,8 @@ def _calibration(cfg, predict, progress):
     if predict is False:
         return False, "step time not predicted (predict=False)"
     if resolve_devices(cfg.world_size, cfg.backend, cfg.device)[1] != "cpu":
-        return False, ("step time not predicted (the ranks run on GPUs; this machine's "
-                       "calibration is of CPU ranks)")
+        return False, ("step time not predicted (the ranks run on GPUs: the demo predicts CPU "
+                       "ranks; <code>sweep(cfg, predict=True)</code> calibrates the GPUs)")
     machine = cached()
     if machine is not None:
         return predict, STEP + f"{html.escape(machine.name)}, cached"

@@ -10,10 +10,10 @@ Predictions run one at a time (a sweep's settings, the Lab's runs).
 Which runs are predicted: ``predict=None`` (the default) those on CPU ranks when this machine's
 calibration is cached (`ddpkit.calibrate` made it once: a run never measures one), live runs
 (the Lab's, whose read-out predicts each setting itself) left out;
-``predict=True`` every CPU run, calibrating first where none is cached (30-60 s, once per
-machine, a progress bar); ``predict=False`` none. The calibration is this machine's CPU ranks
-over gloo: a run on GPUs is not predicted here (``estimate(cfg).step_time(device="H100")`` is
-the roofline of a named GPU).
+``predict=True`` every run, calibrating first where none is cached (CPU ranks: 30-60 s, once
+per machine, a progress bar; GPU ranks: this machine's GPUs, `calibrate(device="cuda")`);
+``predict=False`` none. A run on GPUs is predicted only with ``predict=True``: the cache the
+default reads is the CPU ranks' (`calibrate.cached`).
 
 Each probed step's record (those with a ``timeline``, those with ``peak_bytes``) gains
 ``predicted_step_s``, and those with ``peak_bytes`` ``predicted_peak_bytes`` (the heaviest
@@ -51,18 +51,14 @@ def start(cfg, predict=None, live=False):
                          f"calibration is cached), True (calibrate first where it is not) or "
                          f"False (no prediction)")
     _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
-    if device != "cpu":
-        if predict:
-            raise ValueError("train(predict=True): this machine's calibration is of CPU ranks "
-                             "over gloo, and this run's ranks use cuda; pass predict=None, and "
-                             "compare with ddpkit.estimate(cfg).step_time(device='H100') (a "
-                             "named GPU's roofline) yourself")
-        return None
-    machine = cached()
+    if device == "cpu":
+        machine = cached()
+        if machine is None and predict:  # the kernel's thread, its progress bar, once a machine
+            machine = calibrate(device="cpu")
+    else:  # this machine's GPUs: calibrated (or loaded) only where asked
+        machine = calibrate(device="cuda") if predict else None
     if machine is None:
-        if not predict:
-            return None
-        machine = calibrate()  # the kernel's own thread, with its progress bar, once per machine
+        return None
     return Prediction(cfg, machine)
 
 

@@ -37,8 +37,8 @@ def train(cfg: TrainConfig, pool="shared", on_metric=None, block=True, live=Fals
     ``TrainResult.findings``; ``check=False`` skips it.
     predict: the step time and peak predicted beside the run, on a thread of the kernel at the
     lowest CPU priority (`predicted.py`): None (the default) where this machine's calibration
-    is cached, the ranks are CPU ranks and the run is not live; True also calibrating first
-    where none is (30-60 s, once), False never. Probed records gain ``predicted_step_s`` (and
+    is cached, the ranks are CPU ranks and the run is not live; True always, calibrating first
+    where nothing is cached (CPU ranks: 30-60 s, once; GPUs: this machine's), False never. Probed records gain ``predicted_step_s`` (and
     ``predicted_peak_bytes`` beside ``peak_bytes``); ``TrainResult.prediction`` holds it (a
     non-blocking run's handle: ``run.prediction``).
     """
