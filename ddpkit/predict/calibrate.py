@@ -236,7 +236,9 @@ def remember(machine):
     """Keep ``machine`` in its cache file (written whole, atomically)."""
     path = cache_path(machine.key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_write_bytes(path, json.dumps(machine.to_json()).encode())
+    with replay.LEARNING:  # not while another thread adds to its figures
+        data = json.dumps(machine.to_json()).encode()
+    atomic_write_bytes(path, data)
 
 
 def _bar(progress):

@@ -23,6 +23,8 @@ from . import rates
 LIMIT_BYTES = 64 * 2**20
 LIMIT_FLOPS = 4e9
 _THREADS_LOCK = threading.Lock()
+LEARNING = threading.RLock()
+"""Held while a machine learns (its figures grow) or is written out (`calibrate.remember`)."""
 
 
 class Meta(tuple):
@@ -123,18 +125,19 @@ def learn(machine, stream, threads=None):
     yet: each op small enough to run again here, and the rate tables (`rates.tables`) when an
     op cannot be run again. Returns how many things it measured."""
     threads = threads or machine.threads
-    todo = {}
-    for op in stream:
-        item = getattr(op, "recipe", None)
-        if item is not None and not too_large(op) and key(item) not in machine.replayed:
-            todo[key(item)] = item
-    for k, item in todo.items():
-        machine.replayed[k] = measure(item, threads)
-    if machine.needs_tables() and any(_unreplayed(machine, op) for op in stream):
-        for name, table in rates.tables(threads).items():
-            setattr(machine, name, table)
-        return len(todo) + 1
-    return len(todo)
+    with LEARNING:  # the Lab's predictor and a cell's prediction may learn at once
+        todo = {}
+        for op in stream:
+            item = getattr(op, "recipe", None)
+            if item is not None and not too_large(op) and key(item) not in machine.replayed:
+                todo[key(item)] = item
+        for k, item in todo.items():
+            machine.replayed[k] = measure(item, threads)
+        if machine.needs_tables() and any(_unreplayed(machine, op) for op in stream):
+            for name, table in rates.tables(threads).items():
+                setattr(machine, name, table)
+            return len(todo) + 1
+        return len(todo)
 
 
 def _unreplayed(machine, op):
