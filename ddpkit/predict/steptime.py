@@ -100,11 +100,13 @@ class _Comm:
         self.machine, self.ranks, self.link = machine, ranks, link
         self.free = self.link_free = 0.0
         self.spans = []  # (start, end, kind, name, bytes, micro)
+        self.busy = []  # (start, end) of each collective's own work: a simulated link's wait is not
 
     def run(self, kind, nbytes, ready, name, micro):
         start = max(ready, self.free)
         end = start + self.machine.collective_s(kind, nbytes, self.ranks)
         self.free = end
+        self.busy.append((start, end))
         if self.link is not None and kind == "allreduce":
             gbps, latency = self.link
             begin = max(ready, self.link_free)
@@ -130,25 +132,28 @@ class Player:
 
     def compute(self, work, kind):
         """Advance the compute clock by ``work`` seconds of compute, slower while a collective
-        takes its share of the core."""
+        takes its share of the core (the delay is the collective's: booked as exposed)."""
         share, t, left = self.m.comm_cpu_share, self.t, work
         while left > 0 and share > 0:
-            running = [e for s, e, *_ in self.comm.spans if s <= t < e]
+            running = [e for s, e in self.comm.busy if s <= t < e]
             if not running:
-                later = [s for s, *_ in self.comm.spans if s > t]
+                later = [s for s, _ in self.comm.busy if s > t]
                 if not later or t + left <= min(later):
                     break
                 left -= min(later) - t
                 t = min(later)
                 continue
             until, rate = min(running), 1.0 - share
-            if t + left / rate <= until:
+            if rate <= 0.0:  # the collective holds the core: compute waits for its end
+                t = until
+            elif t + left / rate <= until:
                 t, left = t + left / rate, 0.0
             else:
                 left -= (until - t) * rate
                 t = until
         end = t + left
-        self.ledger[kind] += end - self.t
+        self.ledger[kind] += work  # what compute was held back by a collective is its cost
+        self.ledger["exposed_comm"] += end - self.t - work
         self.t = end
 
     def wait(self, until):
