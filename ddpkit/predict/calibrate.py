@@ -27,6 +27,7 @@ from ..runtime.launch import launch
 from . import hardware, rates, replay
 from .machine import Machine
 from .optrace import Op
+from .player import play
 from .simulate import simulate
 
 REFERENCES = (dict(model="gpt", n_blocks=2, width=32, seq_len=16, micro_batch=2, optimizer="adamw"),
@@ -126,8 +127,6 @@ def fit_share(machine, refs, ranks):
     """The share of a core a collective takes from compute (`Machine.comm_cpu_share`) that
     predicts the reference steps' wall seconds best (their relative errors' squares, summed):
     on CPU ranks gloo's copies and sums run on the cores the ranks compute on."""
-    from .steptime import play  # steptime imports this module (calibrate, remember)
-
     def error(share):
         machine.comm_cpu_share = share
         return sum((play(stream, machine, ranks=ranks)[0] / measured["wall"] - 1) ** 2
