@@ -20,12 +20,13 @@ ROOT = Path(ddpkit.__file__).parent
 # config (built on the engine's vocabulary) and the kernel-side runtime (which knows nothing of
 # models); the pitfalls and doctor; the predictions (nothing runs); real runs and their records;
 # the Lab; the command line and the package root.
-LEAVES = {"errors", "devices", "shipping", "slurm"}
+LEAVES = {"errors", "devices", "shipping", "slurm", "torch_private"}
 ALLOWED = {
     "errors": set(),
     "devices": set(),
     "shipping": set(),
     "slurm": set(),
+    "torch_private": set(),
     "engine": {"devices", "errors"},
     "rank": {"devices", "errors", "shipping"},
     "config": {"engine", "devices", "slurm"},
