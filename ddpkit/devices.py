@@ -122,6 +122,19 @@ def group_backend(backend):
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
+DETERMINISTIC_CUBLAS = ":4096:8"  # torch's docs: deterministic cuBLAS needs a fixed workspace
+
+
+def cublas_workspace_config(deterministic):
+    """The ``CUBLAS_WORKSPACE_CONFIG`` a CUDA rank runs with: the user's own value where the
+    kernel's environment has one, else ``:4096:8`` when the run is deterministic (cuBLAS is
+    deterministic only with it set before CUDA initialises: torch's
+    ``testing/_internal/common_utils.py``), else None (cuBLAS's default). The ranks set it and
+    the estimate reads it from here, so they agree."""
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG") or (
+        DETERMINISTIC_CUBLAS if deterministic else None)
+
+
 def rank_gpu(rank, gpus):
     """The GPU index of a rank: its own with one per GPU, round-robin when they share."""
     return rank % gpus
