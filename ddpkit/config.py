@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .devices import check_bf16, local_world_size, resolve_devices, under_torchrun
+from .devices import check_bf16, local_share, resolve_devices, under_torchrun
 from .engine import spec
 from .engine.blocks import paths_of
 from .engine.models import build_builtin
@@ -348,7 +348,7 @@ class TrainConfig:
 
     def _check_devices(self):
         # under torchrun the world spans machines: this machine runs only its own ranks
-        here = local_world_size(self.world_size) if under_torchrun() else self.world_size
+        here = local_share(self.world_size) if under_torchrun() else self.world_size
         backend, device = resolve_devices(here, self.backend, self.device)
         if self.precision == "fp16" and device != "cuda":
             raise ValueError("TrainConfig.precision='fp16' needs CUDA (GradScaler on CPU is a "
