@@ -142,3 +142,20 @@ def test_under_torchrun_an_fsdp_run_gathers_no_weights_nobody_receives(pool):
     cfg = ddpkit.TrainConfig(**BASE, strategy="fsdp")
     res = ddpkit.launch(train_without_weights, cfg, pool=pool)
     assert res.returns == [None, None] and len(res.metrics) == 2 * cfg.steps
+
+
+def hsdp_mesh_and_group_count(ctx, shard_size):
+    """One HSDP job's mesh, then how many process groups this rank holds."""
+    import torch.distributed as dist
+
+    from ddpkit.engine.strategies import hsdp_mesh
+
+    hsdp_mesh(ctx.device.type, shard_size)
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_hsdp_jobs_in_a_warm_pool_reuse_their_process_groups(pool):
+    # each job used to make a shard and a replicate group per rank and never destroy them
+    # (with NCCL, a communicator each): a pool's process groups grew with every HSDP job
+    counts = [pool.launch(hsdp_mesh_and_group_count, 2).returns for _ in range(3)]
+    assert counts[0] == counts[1] == counts[2] == [3, 3], counts  # WORLD + shard + replicate
