@@ -280,3 +280,19 @@ def test_ddps_own_knobs_pass_through_and_keep_the_timeline_whole(pool, knobs):
     if knobs.get("static_graph"):  # DDP holds every all-reduce of step 0 to the end of backward
         for _, g in tl[tl.step == 0].groupby("rank"):
             assert g[g.kind == "allreduce"].start_s.min() >= blocks(g, "backward").end_s.max()
+
+
+def test_gloo_all_reduce_ends_are_host_stamps_also_on_a_shared_gpu():
+    # the shared-GPU mode, a rank on GPU 1 over gloo: the end of its all-reduce is stamped in
+    # the future's callback on gloo's worker thread, where torch sets no device (gloo's futures
+    # carry none). A CUDA event recorded there went to GPU 0, and reading it against the rank's
+    # GPU-1 reference event failed. Gloo's end is the host's clock; NCCL's stays a CUDA event
+    # on the callback's stream (which torch synchronises with the all-reduce).
+    from ddpkit.engine.timeline import TimelineProbe, _CudaClock
+
+    shared = TimelineProbe(1, 3, "cuda:1", every=1, backend="gloo")
+    assert isinstance(shared.clock, _CudaClock) and shared.end_stamp is time.time_ns
+    nccl = TimelineProbe(1, 2, "cuda:1", every=1, backend="nccl")
+    assert nccl.end_stamp == nccl.clock.stamp
+    shared.clock.ref_ns = 1_000
+    assert shared.clock.read(123_456) == 123_456  # a host stamp beside the rank's events
