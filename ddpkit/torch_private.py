@@ -30,7 +30,7 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
     "torch.utils.checkpoint._checkpoint_without_reentrant_generator":
         "engine/regions.py: one checkpoint region over several blocks of a loop you own",
     "torch.utils.checkpoint._enable_checkpoint_early_stop":
-        "explore/trace.py: the early-stop switch, part of the FLOP count's memo key",
+        "predict/trace.py: the early-stop switch, part of the FLOP count's memo key",
     "torch._C._autograd._top_saved_tensors_default_hooks":
         "engine/regions.py: the saved-tensor hooks in force (optional: none without it)",
     "torch.autograd.Variable._execution_engine.queue_callback":
@@ -39,18 +39,18 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
         "engine/collectives.py: on to a collective's own kernel after counting it",
     "torch.utils._pytree.tree_flatten": "engine/regions.py: a block's tensors",
     "torch.utils._pytree.tree_unflatten": "engine/regions.py: a block's tensors",
-    "torch.utils._pytree.tree_leaves": "explore/peak.py: the simulation's tensors",
-    "torch.utils._pytree.tree_map": "explore/peak.py, explore/trace.py: a batch made fake",
-    "torch.utils._python_dispatch.TorchDispatchMode": "explore/peak.py: the simulated step",
+    "torch.utils._pytree.tree_leaves": "predict/simulate.py: the simulation's tensors",
+    "torch.utils._pytree.tree_map": "predict/simulate.py, predict/trace.py: a batch made fake",
+    "torch.utils._python_dispatch.TorchDispatchMode": "predict/simulate.py: the simulated step",
     "torch._subclasses.fake_tensor.FakeTensorMode":
-        "engine/empty.py, explore/peak.py, explore/trace.py: models and steps on fake tensors",
-    "torch._subclasses.fake_tensor.is_fake": "engine/probes.py, explore/trace.py",
-    "torch._subclasses.fake_tensor.unset_fake_temporarily": "engine/empty.py, explore/peak.py",
+        "engine/empty.py, predict/simulate.py, predict/trace.py: models and steps on fake tensors",
+    "torch._subclasses.fake_tensor.is_fake": "engine/probes.py, predict/trace.py",
+    "torch._subclasses.fake_tensor.unset_fake_temporarily": "engine/empty.py, predict/simulate.py",
     "torch.Tensor._version": "engine/regions.py: a block's input not written since",
     "torch.Tensor._is_zerotensor": "rank/returns.py: a plain tensor, sent out of band",
     "torch.UntypedStorage._cdata":
-        "engine/memory.py, engine/probes.py, engine/regions.py, explore/peak.py, "
-        "explore/fakeworld.py: one key per storage (fake storages have no address)",
+        "engine/memory.py, engine/probes.py, engine/regions.py, predict/simulate.py, "
+        "predict/fakeworld.py: one key per storage (fake storages have no address)",
     "torch.nn.Module._parameters": "engine/empty.py, engine/spec.py: a module's own tensors",
     "torch.nn.Module._buffers": "engine/empty.py, engine/spec.py: a module's own tensors",
     "torch.nn.modules.batchnorm._BatchNorm": "pitfalls/observe.py: every batch norm",
@@ -67,30 +67,49 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
     "torch.distributed.ProcessGroup._get_backend": "engine/strategies.py: the job's timeout",
     "torch._C._distributed_c10d.Backend.Options._timeout":
         "engine/strategies.py: the job's timeout, for HSDP's groups",
-    "torch.ops.c10d._allgather_base_": "engine/collectives.py: counted (FSDP's all-gather)",
-    "torch.ops.c10d._reduce_scatter_base_": "engine/collectives.py: counted",
+    "torch.ops.c10d._allgather_base_":
+        "engine/collectives.py: counted (FSDP's all-gather); predict/optrace.py: timed",
+    "torch.ops.c10d._reduce_scatter_base_": "engine/collectives.py, predict/optrace.py",
     "torch.nn.parallel.DistributedDataParallel._get_ddp_logging_data":
         "engine/timeline.py: DDP's own runtime statistics beside the timeline",
     "torch.nn.parallel.DistributedDataParallel._set_ddp_runtime_logging_sample_rate":
         "engine/timeline.py: ... for every synced iteration",
     "torch.nn.parallel.distributed._verify_param_shape_across_processes":
-        "explore/fakeworld.py: skipped on the fake group (it reads tensor data)",
-    "torch.nn.parallel.distributed._sync_module_states": "explore/fakeworld.py: skipped too",
+        "predict/fakeworld.py: skipped on the fake group (it reads tensor data)",
+    "torch.nn.parallel.distributed._sync_module_states": "predict/fakeworld.py: skipped too",
     "torch._C._distributed_c10d.Reducer._rebuild_buckets":
-        "explore/fakeworld.py: the simulation keeps DDP's first bucket layout",
-    "torch._C._distributed_c10d.FakeProcessGroup": "explore/fakeworld.py: the simulated world",
-    "torch._C._distributed_c10d.FakeProcessGroup._create_internal": "explore/fakeworld.py",
+        "predict/fakeworld.py: the simulation keeps DDP's first bucket layout",
+    "torch._C._distributed_c10d.FakeProcessGroup": "predict/fakeworld.py: the simulated world",
+    "torch._C._distributed_c10d.FakeProcessGroup._create_internal": "predict/fakeworld.py",
     "torch.distributed.optim.ZeroRedundancyOptimizer._partition_parameters":
-        "explore/peak.py: the parameters each ZeRO-1 rank updates",
+        "predict/simulate.py: the parameters each ZeRO-1 rank updates",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.foreach_all_gather":
-        "explore/fakeworld.py: FSDP's buffers marked in the simulation (optional)",
+        "predict/fakeworld.py: FSDP's buffers marked in the simulation (optional)",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.foreach_all_gather_copy_out":
-        "explore/fakeworld.py (optional)",
+        "predict/fakeworld.py (optional)",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.foreach_reduce":
-        "explore/fakeworld.py (optional)",
+        "predict/fakeworld.py (optional)",
     "torch.distributed.tensor._sharding_prop.ShardingPropagator"
     "._propagate_tensor_meta_non_cached":
-        "explore/fakeworld.py: DTensor's metadata runs left out of the simulation (optional)",
+        "predict/fakeworld.py: DTensor's metadata runs left out of the simulation (optional)",
+    # aten ops the step-time trace knows by name (a renamed one would go untimed)
+    "torch._ops.OpOverload._overloadpacket": "predict/optrace.py: an op's name",
+    "torch.ops.aten._scaled_mm": "predict/optrace.py: a matmul",
+    "torch.ops.aten._softmax": "predict/rates.py: a measured rate",
+    "torch.ops.aten._unsafe_view": "predict/optrace.py: a view (free)",
+    "torch.ops.aten._reshape_alias": "predict/optrace.py: a view (free)",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "predict/optrace.py: attention",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": "predict/optrace.py: attention",
+    "torch.ops.aten._scaled_dot_product_flash_attention": "predict/optrace.py: attention",
+    "torch.ops.aten._scaled_dot_product_flash_attention_backward": "predict/optrace.py: attention",
+    "torch.ops.aten._scaled_dot_product_efficient_attention": "predict/optrace.py: attention",
+    "torch.ops.aten._scaled_dot_product_efficient_attention_backward": "predict/optrace.py: attention",
+    "torch.ops.aten._scaled_dot_product_cudnn_attention": "predict/optrace.py: attention",
+    "torch.ops.aten._scaled_dot_product_cudnn_attention_backward": "predict/optrace.py: attention",
+    "torch.ops.aten._flash_attention_forward": "predict/optrace.py: attention",
+    "torch.ops.aten._flash_attention_backward": "predict/optrace.py: attention",
+    "torch.ops.aten._efficient_attention_forward": "predict/optrace.py: attention",
+    "torch.ops.aten._efficient_attention_backward": "predict/optrace.py: attention",
     # profiler and CUDA
     "torch._C._profiler._ExtraFields_Allocation": "engine/memory.py: the CPU peak's allocations",
     "torch._C._autograd._ProfilerResult.experimental_event_tree": "engine/memory.py: ... in order",
@@ -100,7 +119,8 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
 }
 
 # where a name lives on instances only (set in __init__): looked up on a small one
-_INSTANCES = {"torch.nn.Module": lambda: torch.nn.Module()}
+_INSTANCES = {"torch.nn.Module": lambda: torch.nn.Module(),
+              "torch._ops.OpOverload": lambda: torch.ops.aten.add.Tensor}
 
 
 def version_tuple(version):

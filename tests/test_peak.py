@@ -265,8 +265,8 @@ def test_a_deterministic_runs_cublas_workspaces_are_the_ones_its_ranks_set(monke
     import torch
 
     from ddpkit import devices
-    from ddpkit.explore.attention import CudaTarget
-    from ddpkit.explore.peak import cublas_workspaces
+    from ddpkit.predict.attention import CudaTarget
+    from ddpkit.predict.simulate import cublas_workspaces
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     a100 = CudaTarget(capability=(8, 0))

@@ -21,7 +21,11 @@ NOT_TORCH = {"_repr_mimebundle_", "_config", "_dom_classes", "_trait_values", "_
              "_forkserver", "_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd",
              "_lock", "_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa",
              "_gradient_checkpointing_func", "_fields", "_local", "_exit", "_filters_mutated",
-             "_data", "_layout_obj", "_props", "_py2js_"}
+             "_data", "_layout_obj", "_props", "_py2js_",
+             # suffixes of op and setting names, not names
+             "_backward", "_view",
+             # predict/optrace.py's list of free ops names it; no torch 2.11-2.15 has that op
+             "_to_copy_view"}
 
 
 def _trees():
