@@ -77,6 +77,8 @@ def test_timeline_agrees_with_ddps_runtime_statistics(small_buckets):
     v = versus_ddp(small_buckets.timeline, small_buckets.ddp_stats)
     # DDP logs an iteration's timers at the next synced forward: steps 0..2 of 4, both ranks
     assert len(v) == 6, v
+    # on CPU both stamp the host: one clock (on CUDA DDP's are labelled "host launch")
+    assert set(small_buckets.ddp_stats["clock"]) == set(v.ddp_clock) == {"timeline"}
     for row in v.itertuples():
         pairs = [("comm_start_s", "ddp_comm_start_s"), ("compute_end_s", "ddp_compute_end_s")]
         if row.step >= 1:  # step 0 is DDP's one-bucket iteration (see below)
