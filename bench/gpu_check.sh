@@ -56,10 +56,10 @@ T_START=$SECONDS
 # starts of 2 ranks, each paying that) 110 s, overhead (one pool, 8 steps) 60 s, and the three
 # side-by-side stages (tests/gpu's 20 runs, the notebooks, bench.peak's two GPT-2 runs) 180 s
 # each. GPU_CHECK_LIMIT_PERCENT scales every limit (tests/test_gpu_check.py runs the script so).
-L_WHEELS=40 L_ENV=60 L_TESTS=180 L_NB=180 L_PEAK=180 L_LAUNCH=110 L_OVERHEAD=60
+L_WHEELS=40 L_ENV=60 L_TESTS=180 L_NB=180 L_PEAK=180 L_LAUNCH=110 L_OVERHEAD=60 L_STEPTIME=240
 scale() { local v=$(( $1 * ${GPU_CHECK_LIMIT_PERCENT:-100} / 100 )); echo $(( v < 1 ? 1 : v )); }
 L_WHEELS=$(scale $L_WHEELS) L_ENV=$(scale $L_ENV) L_TESTS=$(scale $L_TESTS) L_NB=$(scale $L_NB)
-L_PEAK=$(scale $L_PEAK) L_LAUNCH=$(scale $L_LAUNCH) L_OVERHEAD=$(scale $L_OVERHEAD)
+L_PEAK=$(scale $L_PEAK) L_LAUNCH=$(scale $L_LAUNCH) L_OVERHEAD=$(scale $L_OVERHEAD) L_STEPTIME=$(scale $L_STEPTIME)
 
 ROWS=()
 FAILED=0
@@ -203,6 +203,7 @@ join
 # timings last, alone on the machine
 gpu_stage launch "$L_LAUNCH" "target" "$PY" -m bench.launch --repeat 2 --worlds 2 --device cuda
 gpu_stage overhead "$L_OVERHEAD" "target" "$PY" -m bench.overhead --rounds 1 --steps 8 --device cuda
+gpu_stage step-time "$L_STEPTIME" "mean absolute|calibrated" "$PY" -m bench.gpu_step_time
 
 echo
 echo "### ddpkit GPU check: $N_GPUS GPU(s), $MODE; $("$PY" -c 'import torch, sys; print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")' 2>/dev/null); $((SECONDS - T_START)) s in all"

@@ -79,7 +79,8 @@ def test_skipped_stages_and_a_timeout_are_reported_as_such(tmp_path):
     # 4% of each limit: the hanging stage is stopped after 4 s
     out, rows = fake_check(tmp_path, GPU_CHECK_LIMIT_PERCENT="4")
     assert rows == {"wheels": "pass", "env": "pass", "gpu-tests": "skipped", "notebooks": "pass",
-                    "launch": "TIMEOUT (limit 4s)", "overhead": "pass", "peak": "pass"}
+                    "launch": "TIMEOUT (limit 4s)", "overhead": "pass", "peak": "pass",
+                    "step-time": "pass"}
     assert out.returncode == 1
     assert "!! TIMEOUT: stage 'launch' ran past its 4 s limit" in out.stderr
 
@@ -98,7 +99,8 @@ def test_what_the_interpreter_lacks_comes_from_the_carried_wheels_only(tmp_path)
         ":" + str(tmp_path / "site"))  # the checkout first, the wheels last
     # no GPU: the CPU stages run and pass, the GPU-only ones say so and run nothing
     assert rows == {"wheels": "pass", "env": "pass", "gpu-tests": "no GPU", "notebooks": "pass",
-                    "peak": "no GPU", "launch": "no GPU", "overhead": "no GPU"}
+                    "peak": "no GPU", "launch": "no GPU", "overhead": "no GPU",
+                    "step-time": "no GPU"}
     assert out.returncode == 2 and "no usable CUDA GPU here" in out.stdout
 
 

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 import ddpkit
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.spec.setting import CheckpointSetting
 from ddpkit.predict import scale
 from ddpkit.predict.simulate import simulate
 from ddpkit.predict.trace import traced

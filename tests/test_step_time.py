@@ -10,27 +10,11 @@ import pytest
 
 import ddpkit
 from ddpkit.predict import streams
-from ddpkit.predict.machine import Machine
 from ddpkit.predict.optrace import Mark, Op
 from ddpkit.predict.simulate import simulate
 from ddpkit.predict.steptime import COLUMNS, LEDGER, play, step_time
 from ddpkit.runs.timeline import COLUMNS as RUN_COLUMNS
-
-SIZES = [8, 1024]
-
-
-def machine(comm_share=0.0):
-    """1 GFLOP/s for every matrix product, 1 GB/s for every memory-bound op, 1 us per op
-    dispatched, 100 us + 1 ms per MB for each collective."""
-    flat = [[[math.log(1e9)] * 2 for _ in range(2)] for _ in range(2)]
-    coll = {f"{k}/{n}": [(1, 1e-4), (2**30, 1e-4 + 2**30 / 1e9)]
-            for k in ("allreduce", "allgather", "reduce_scatter", "broadcast") for n in (2, 4)}
-    return Machine("rates for tests", gemm={"float32": {"sizes": SIZES, "log_rate": flat}},
-                   attention={"float32": {"forward": [(1, 1e9)], "backward": [(1, 1e9)]}},
-                   memory={"bytes_per_s": [(1, 1e9)], "ops": {}},
-                   overhead=dict(forward=1e-6, backward=1e-6, optimizer=1e-6, other=1e-6),
-                   collectives=coll, comm_cpu_share=comm_share)
-
+from machines import synthetic as machine
 
 def predict(**kw):
     cfg = ddpkit.TrainConfig(**{**dict(model="gpt", n_blocks=4, width=64, seq_len=16,

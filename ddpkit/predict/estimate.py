@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..config import TrainConfig
-from ..engine.policies import CheckpointSetting
+from ..spec.setting import CheckpointSetting
 from ..engine.strategies import mixed_dtype
 from . import attention
 from .fits import fits, largest_micro_batch
@@ -201,7 +201,7 @@ def _by_formula(cfg):
     """Does the first-principles formula cover cfg? The built-in models, unless CUDA would run
     the GPT's attention on its math kernel, or FSDP's mixed precision computes in bf16/fp16
     (traced instead)."""
-    return cfg.builtin and mixed_dtype(cfg) is None and \
+    return cfg.builtin and mixed_dtype(cfg.rank_plan()) is None and \
         (cfg.model == "mlp" or _attention_bytes(cfg) is not None)
 
 

@@ -62,6 +62,14 @@ class Machine:
     """The share of a collective's time that takes a core from compute (CPU ranks: gloo copies
     and adds on the rank's own cores; a GPU's collectives run beside its compute: 0)."""
     peak_flops: dict = dataclasses.field(default_factory=dict)
+    replayed: dict = dataclasses.field(default_factory=dict)
+    """Seconds of each op run again here at its own shapes (`replay`), by its recipe; None
+    for an op that could not be rebuilt (its time then comes from the rate tables)."""
+    factor: dict = dataclasses.field(default_factory=dict)
+    """What an op costs inside a real step over what it costs run alone (caches cold, its
+    output newly allocated, the other rank beside it), by "phase/op name" as measured on the
+    reference steps, and by "phase/memory" and "phase/compute" for ops they do not run; 1
+    where nothing was measured."""
     key: str = ""
     """What the figures were measured for (host, processor, torch, threads): a cache key."""
     notes: list = dataclasses.field(default_factory=list)
@@ -73,6 +81,9 @@ class Machine:
         phase = "forward" if op.recompute else (op.phase or "other")
         host = self.overhead.get(phase + "_view" if op.kind == "view" else phase, 0.0)
         work = 0.0
+        alone = self.replayed.get(repr(op.recipe)) if op.recipe is not None else None
+        if alone is not None and op.kind != "view":
+            return host + self._inside(op) * alone
         if op.kind == "matmul":
             work = self.gemm_s(op.shape, op.dtype)
         elif op.kind == "attention":
@@ -82,14 +93,48 @@ class Machine:
             work = self.memory_s(op.name, op.bytes)
         if self.kind == "roofline":  # the device runs it while the host issues the next ones
             return max(host, work + self.kernel_s) if op.kind != "view" else host
-        return host + work
+        return host + self._inside(op) * work
+
+    def _inside(self, op):
+        """What ``op`` costs inside a step over what it costs alone: measured for its phase and
+        name on the reference steps, else its phase's and kind's (`calibrate.fit_costs`)."""
+        f = self.factor
+        kind = "memory" if op.kind == "memory" else "compute"
+        return f.get(f"{op.phase}/{op.name}") or f.get(f"{op.phase}/{kind}", 1.0)
+
+    def needs_tables(self):
+        """Is this a measured machine whose rate tables are not measured yet?"""
+        return self.kind == "measured" and not self.gemm
+
+    # --- a CUDA rank: the host issues, the device runs (`gpuplay`)
+    def host_s(self, op):
+        """Seconds the host spends issuing ``op`` (a CUDA rank's Python thread: dispatch,
+        autograd's recording, the kernel's launch; a recompute's ops cost as a forward's)."""
+        phase = "forward" if op.recompute else (op.phase or "other")
+        return self.overhead.get(phase + "_view" if op.kind == "view" else phase,
+                                 self.overhead.get(phase, 0.0))
+
+    def device_s(self, op):
+        """Seconds ``op``'s kernel runs on the device (not a view, not a collective): a matrix
+        product at its shape (and never faster than moving its operands), attention at its
+        kernel's rate (a causal kernel skips the masked half of what torch's formula counts),
+        a memory-bound op at the bandwidth; plus a kernel's fixed cost."""
+        if op.kind == "matmul":
+            work = max(self.gemm_s(op.shape, op.dtype), self.memory_s(op.name, op.bytes))
+        elif op.kind == "attention":
+            which = "backward" if op.name.endswith("backward") else "forward"
+            work = self.attention_s(op.flops * (0.5 if op.causal else 1.0), which, op.dtype)
+        else:
+            work = self.memory_s(op.name, op.bytes)
+        return work + self.kernel_s
 
     def gemm_s(self, shape, dtype):
         """Seconds of a matrix product (batch, m, n, k) in ``dtype``."""
         table = self.gemm.get(dtype) or self.gemm.get("float32")
         b, m, n, k = shape
-        if "roofline" in table:
-            return 2 * b * m * n * k / table["roofline"]
+        if "roofline" in table:  # a short inner dimension leaves each tile's epilogue unhidden
+            ramp = k / (k + table.get("k_half", 0))
+            return 2 * b * m * n * k / (table["roofline"] * ramp)
         sizes = [math.log(s) for s in table["sizes"]]
         rate = math.exp(_trilinear(sizes, table["log_rate"], math.log(max(m, 1)),
                                    math.log(max(n, 1)), math.log(max(k, 1))))
@@ -98,7 +143,7 @@ class Machine:
     def attention_s(self, flops, which, dtype):
         table = self.attention.get(dtype) or self.attention.get("float32") or {}
         if "roofline" in table:
-            return flops / table["roofline"]
+            return flops / table.get("roofline_" + which, table["roofline"])
         points = table.get(which)
         if not points:
             return flops / self.gemm_s_rate(dtype)
@@ -116,7 +161,7 @@ class Machine:
     def memory_s(self, name, nbytes):
         """Seconds a memory-bound op moving ``nbytes`` takes."""
         if "bandwidth" in self.memory:
-            return nbytes / self.memory["bandwidth"]
+            return nbytes / (self.memory["bandwidth"] * self.memory.get("ops", {}).get(name, 1.0))
         points = self.memory["bytes_per_s"]
         xs, ys = zip(*points)
         rate = math.exp(_interp([math.log(x) for x in xs], [math.log(y) for y in ys],
@@ -141,22 +186,23 @@ class Machine:
                                 math.log(max(nbytes, 1))))
 
     def _ring_s(self, kind, nbytes, ranks):
-        """The alpha-beta ring: inside a node over its link, across nodes hierarchically
-        (reduce-scatter in the node, the nodes' ring on each GPU's card with 1/G of the bytes,
-        all-gather in the node)."""
-        def ring(n, size, bw, alpha, volume):
-            return volume * (n - 1) / n * size / bw + volume * (n - 1) * alpha
+        """NCCL's ring (a named device's `hardware` links): ``volume x (N-1)/N x B`` at the
+        ring's bus bandwidth plus a latency per ring step, B the gathered (or reduced) size
+        (an all-gather's or reduce-scatter's payload counts its shard too: B is N/(N+1) of it).
+        Inside a node the bus is the node's link (all-reduce's own where NVLink SHARP lifts
+        it); a ring spanning nodes runs at its slower part: the node's link, or the cards
+        between two nodes (GPUs per node x each GPU's card), with the network's latency."""
         volume = 2 if kind == "allreduce" else 1
-        if kind == "broadcast":
-            volume = 1
-        bw, alpha = self.collectives["link"]
+        if kind in ("allgather", "reduce_scatter"):
+            nbytes = nbytes * ranks / (ranks + 1)
+        bus, alpha = self.collectives["link"]
+        if kind == "allreduce":
+            bus = self.collectives.get("link_allreduce", bus)
         per_node = min(ranks, self.collectives.get("node", ranks))
-        nodes = -(-ranks // per_node)
-        inside = ring(per_node, nbytes, bw, alpha, volume) if per_node > 1 else 0.0
-        if nodes == 1:
-            return inside
-        net_bw, net_alpha = self.collectives.get("network") or (bw, alpha)
-        return inside + ring(nodes, nbytes / per_node, net_bw, net_alpha, volume)
+        if ranks > per_node:
+            net_bus, net_alpha = self.collectives.get("network") or (bus / per_node, alpha)
+            bus, alpha = min(bus, per_node * net_bus), max(alpha, net_alpha)
+        return volume * (ranks - 1) / ranks * nbytes / bus + volume * (ranks - 1) * alpha
 
     def _nearest(self, kind, ranks):
         """A measured rank count's figures scaled to ``ranks`` by the ring's 2(N-1)/N (or

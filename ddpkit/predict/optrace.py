@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from .replay import recipe
+
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -49,6 +51,12 @@ _FREE = {"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand"
          "unbind", "chunk", "narrow", "view_as", "unflatten", "lift_fresh", "_reshape_alias",
          "expand_as", "diagonal", "_to_copy_view"}
 KINDS = ("matmul", "attention", "memory", "view", "collective")
+SDPA_RANGE = "ddpkit.sdpa:"
+"""The profiler range `attention.on_cuda` opens around a CUDA SDPA kernel's stand-in:
+``ddpkit.sdpa:KERNEL:forward`` or ``:backward``."""
+CUDA_SDPA = {"flash": "_scaled_dot_product_flash_attention",
+             "efficient": "_scaled_dot_product_efficient_attention",
+             "cudnn": "_scaled_dot_product_cudnn_attention"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +75,13 @@ class Op:
     recompute: bool = False
     group: int = 1
     index: int = 0
+    recipe: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
+    """How to run it again for real (`replay.recipe`): the op and its arguments' shapes."""
+    stream: int = 0
+    """The CUDA stream a CUDA rank runs it on (0: the compute stream; `cudastreams` numbers
+    FSDP2's own streams); always 0 for a CPU rank."""
+    causal: bool = False
+    """Attention with ``is_causal``: a flash kernel skips the masked half of its work."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +90,16 @@ class Mark:
     recompute_start/end (``block`` its index), grad (parameter ``block``'s gradient is ready,
     ``bytes`` its size), bucket (DDP handed the simulation's bucket ``block`` over: this
     micro-step syncs), forward_end/backward_end/optimizer_end (a phase of `train_step` ended),
-    or wait (the step waits for the collective `Op` whose ``index`` is ``block``)."""
+    or wait (the step waits for the collective `Op` whose ``index`` is ``block``). A CUDA rank's
+    streams and events (`cudastreams`): record (event ``block`` recorded on ``stream``),
+    wait_event (``stream`` waits for event ``block``'s latest record), wait_stream (``stream``
+    waits for all work queued so far on stream ``block``), sync_event (the host waits)."""
     what: str
     block: int
     phase: str
     micro: int
     bytes: int = 0
+    stream: int = 0
 
 
 def _tensors(values):
@@ -123,6 +142,8 @@ class OpTrace(TorchDispatchMode):
         self.recomputing = 0
         self._pending = {}  # storage key -> index of the collective that writes it
         self._count = 0
+        self.cuda_stream = 0  # set by `cudastreams.recorded` while a side stream is current
+        self._regions = []  # record_function names entered and not yet left
 
     def reset(self):
         """A new step: the stream keeps only the last step's."""
@@ -137,8 +158,8 @@ class OpTrace(TorchDispatchMode):
         self.mark(f"{name}_end")
 
     # --- marks from hooks
-    def mark(self, what, block=-1, nbytes=0):
-        self.stream.append(Mark(what, block, self.live.phase or "", self.micro, nbytes))
+    def mark(self, what, block=-1, nbytes=0, stream=0):
+        self.stream.append(Mark(what, block, self.live.phase or "", self.micro, nbytes, stream))
 
     def _phase(self):
         return self.live.phase or ""
@@ -154,22 +175,48 @@ class OpTrace(TorchDispatchMode):
         name = packet.__name__
         if name in _FAKE_ONLY:
             return out
+        cuda_kernel = self._region(name, args)
+        if cuda_kernel is False:
+            return out  # a stand-in's own work, which the CUDA kernel does not do
         ins, outs = _tensors((args, kwargs)), _tensors(out)
+        if not outs and name.startswith("_foreach_") and name.endswith("_"):
+            outs = _tensors(args[0])  # an in-place foreach op returns nothing: it writes self
         reads = {t.untyped_storage()._cdata for t in ins}
         waited = [i for key, i in self._pending.items() if key in reads]
         for i in waited:
             self.stream.append(Mark("wait", i, self._phase(), self.micro))
         if waited:
             self._pending = {k: i for k, i in self._pending.items() if i not in waited}
-        self.stream.append(self._op(func, name, packet, args, kwargs, ins, outs, out))
+        op = self._op(func, name, packet, args, kwargs, ins, outs, out)
+        if cuda_kernel:
+            op = dataclasses.replace(op, name=cuda_kernel + ("_backward" if "backward" in name
+                                                              else ""))
+        self.stream.append(op)
         return out
+
+    def _region(self, name, args):
+        """Inside `attention.on_cuda`'s stand-in for a CUDA SDPA kernel (a ``ddpkit.sdpa:KERNEL:
+        forward|backward`` profiler range): the CUDA op's name for the attention op itself,
+        False for the stand-in's other ops (its copies, and the forward its backward runs
+        again to reach torch's CPU backward), None elsewhere."""
+        if name == "_record_function_enter_new":
+            self._regions.append(args[0] if args and isinstance(args[0], str) else "")
+        elif name == "_record_function_exit" and self._regions:
+            self._regions.pop()
+        region = next((r for r in reversed(self._regions) if r.startswith(SDPA_RANGE)), None)
+        if region is None:
+            return None
+        _, kernel, which = region.split(":")
+        if name in ATTENTION and name.endswith("backward") == (which == "backward"):
+            return CUDA_SDPA.get(kernel, "_scaled_dot_product_" + kernel + "_attention")
+        return False
 
     def _op(self, func, name, packet, args, kwargs, ins, outs, out):
         phase, micro = self._phase(), self.micro
         dtype = str((outs or ins or [torch.empty(0)])[0].dtype).replace("torch.", "")
         self._count += 1
         common = dict(dtype=dtype, phase=phase, micro=micro, recompute=self.recomputing > 0,
-                      index=self._count)
+                      index=self._count, stream=self.cuda_stream)
         if name in COLLECTIVES:
             group = _group_size(args)
             for t in outs or ins:
@@ -180,13 +227,16 @@ class OpTrace(TorchDispatchMode):
             flops = (flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry
                      else _attention_flops(name, args, out))
             shape = _matmul_shape(name, args) if name in MATMULS else _attention_shape(args)
+            causal = name in ATTENTION and bool(_argument(func, args, kwargs, "is_causal"))
             return Op(name, "matmul" if name in MATMULS else "attention", int(flops),
-                      _elements_bytes(ins) + _elements_bytes(outs), shape=shape, **common)
+                      _elements_bytes(ins) + _elements_bytes(outs), shape=shape, causal=causal,
+                      recipe=recipe(func, args, kwargs), **common)
         in_keys = {t.untyped_storage()._cdata for t in ins}
         aliased = outs and all(t.untyped_storage()._cdata in in_keys for t in outs)
         if name in _FREE or (aliased and not name.endswith("_") and name != "copy_"):
             return Op(name, "view", 0, 0, **common)
-        return Op(name, "memory", 0, _elements_bytes(ins) + _elements_bytes(outs), **common)
+        return Op(name, "memory", 0, _elements_bytes(ins) + _elements_bytes(outs),
+                  recipe=recipe(func, args, kwargs), **common)
 
     # --- the blocks, as the rank's timeline probe sees them
     def watch(self, blocks, model, grads=False):
@@ -242,6 +292,14 @@ class OpTrace(TorchDispatchMode):
     @property
     def ops(self):
         return [e for e in self.stream if isinstance(e, Op)]
+
+
+def _argument(func, args, kwargs, name):
+    """An op's argument by its schema name (None when absent)."""
+    if name in kwargs:
+        return kwargs[name]
+    names = [a.name for a in func._schema.arguments]
+    return args[names.index(name)] if name in names and names.index(name) < len(args) else None
 
 
 def _grad_tensor(values):

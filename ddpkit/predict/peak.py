@@ -6,6 +6,7 @@ memory-relevant setting, one simulation per setting at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 
 from . import scale
@@ -23,16 +24,17 @@ def _key(cfg, rank):
                        for k, v in d.items() if k not in _NOT_MEMORY)
 
 
-def simulated(cfg, rank):
+def simulated(cfg, rank, target=None):
     """`simulate(cfg, rank)`, memoised per memory-relevant setting (the Lab and `plan` ask the
     same question often). One simulation per setting at a time: a thread that asks while
     another simulates the same (the Lab's read-out and a cell's ``estimate(cfg).peak()``)
-    waits for its answer instead of simulating it again."""
+    waits for its answer instead of simulating it again. ``target``: simulate it as a CUDA
+    rank on that GPU (`simulate.simulate`'s ``target``; part of the memo's key)."""
     if cfg.strategy == "ddp" and cfg.optimizer != "zero1" and rank:
         # plain DDP: every rank runs the same step on a batch of the same shapes (the template
         # is the rank's first batch, whatever the rank), so rank 0's simulation is every rank's
-        return dataclasses.replace(simulated(cfg, 0), rank=rank)
-    key = _key(cfg, rank)
+        return dataclasses.replace(simulated(cfg, 0, target), rank=rank)
+    key = _key(cfg, rank) + (target,)
     while True:
         with _MEMO_LOCK:
             hit = _MEMO.get(key)
@@ -44,7 +46,8 @@ def simulated(cfg, rank):
                 break
         running.wait()  # then the memo has it (or it failed: this thread simulates itself)
     try:
-        sim = scale.scaled(simulate, cfg, rank) if scale.scalable(cfg) else simulate(cfg, rank)
+        run = functools.partial(simulate, target=target)
+        sim = scale.scaled(run, cfg, rank) if scale.scalable(cfg) else run(cfg, rank)
         with _MEMO_LOCK:
             if len(_MEMO) > 64:
                 _MEMO.clear()
@@ -72,8 +75,8 @@ def predicted_peak(cfg, step=None, rank=None):
     return sim.peaks[0 if step == 0 else 1]
 
 
-def heaviest_rank(cfg):
+def heaviest_rank(cfg, target=None):
     """The rank whose optimizer updates the most parameters (rank 0 on a tie): ZeRO-1's greedy
     partition and FSDP's dim-0 chunks can load one rank more than the others."""
-    loads = simulated(cfg, 0).loads
+    loads = simulated(cfg, 0, target).loads
     return max(range(cfg.world_size), key=lambda r: (loads[r], -r))

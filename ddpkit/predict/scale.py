@@ -31,7 +31,7 @@ from .trace import SCALE_ABOVE
 
 def scalable(cfg):
     """Is ``cfg`` simulated from 3 and 4 blocks? A large model, a setting alike on every block."""
-    setting = cfg.checkpointing
+    setting = cfg.checkpoint
     uniform = setting.value is None or setting.value == "full" or all(setting.mask) or \
         not any(setting.mask)
     return uniform and cfg.n_blocks > 4 and cfg.info.n_params > SCALE_ABOVE
@@ -45,7 +45,7 @@ def scaled(simulate, cfg, rank):
     """A `simulate.Simulation` of ``cfg``'s rank ``rank``, from ``simulate(cfg, rank, keep=3)`` and
     ``keep=4``."""
     n = cfg.n_blocks
-    setting = "full" if any(cfg.checkpointing.mask) else None
+    setting = "full" if any(cfg.checkpoint.mask) else None
     three = simulate(cfg.replace(checkpoint=setting), rank, keep=3)
     four = simulate(cfg.replace(checkpoint=setting), rank, keep=4)
     peaks, segments = [], []

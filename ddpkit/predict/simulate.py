@@ -42,13 +42,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..devices import resolve_devices
-from ..engine import empty, memory, rng, strategies
+from ..engine import memory, strategies
 from ..engine.memory import optimizer_tensors, storages
+from ..engine.policies import install
 from ..engine.probes import ActivationProbe
-from ..engine.blocks import resolve_blocks
-from ..engine.policies import CheckpointSetting
-from ..engine.spec import describe_spec, fake_model
 from ..engine.step import train_step, zero_grad
+from ..spec import empty, rng
+from ..spec.blocks import resolve_blocks
+from ..spec.model import describe_spec, fake_model
+from ..spec.setting import CheckpointSetting
+from . import cudastreams
 from .optrace import OpTrace
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
 from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
@@ -153,11 +156,14 @@ class Simulation:
     step-time prediction times."""
 
 
-def simulate(cfg, rank=0, steps=2, keep=None):
+def simulate(cfg, rank=0, steps=2, keep=None, target=None):
     """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
-    `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`)."""
+    `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`).
+    ``target``: an `attention.CudaTarget` to simulate the rank as a CUDA rank on that GPU
+    (a named device's, `hardware.target`) whatever this machine has; None: the config's own
+    device (a CUDA rank where the config runs on CUDA here)."""
     with _new_objects_only() as thaw:
-        return _simulate(cfg, rank, steps, keep, thaw)
+        return _simulate(cfg, rank, steps, keep, thaw, target)
 
 
 _FREEZE_LOCK = threading.Lock()
@@ -193,13 +199,15 @@ def _new_objects_only():
         _FREEZE_LOCK.release()
 
 
-def _simulate(cfg, rank, steps, keep, thaw):
-    _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
-    cuda = device == "cuda"
-    target = run_target(cfg) if cuda else None
+def _simulate(cfg, rank, steps, keep, thaw, target=None):
+    if target is None:
+        _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
+        target = run_target(cfg) if device == "cuda" else None
+    cuda = target is not None
+    plan = cfg.rank_plan()  # what the rank's code reads
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
-    wrap_cfg = cfg.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
-                           device="cpu", backend="gloo", precision="fp32")
+    wrap_plan = plan.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
+                             precision="fp32")
     real_batch = example_batch(cfg)
     ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
     live = LiveStorages(CUDA_BLOCK if cuda else 1)
@@ -207,11 +215,13 @@ def _simulate(cfg, rank, steps, keep, thaw):
     template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                         real_batch)
     with rng.forked():
-        model, how = fake_model(cfg, mode, keep)  # no initialisation: `ddpkit.engine.empty`
+        model, how = fake_model(plan, mode, keep)  # no initialisation: `ddpkit.spec.empty`
     stage = functools.partial(empty.stage, who="ddpkit.estimate(cfg).peak()",
                               model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
-    blocks = resolve_blocks(model, cfg.blocks_path)
-    setting = cfg.checkpointing if keep is None else CheckpointSetting.of(cfg.checkpoint, len(blocks))
+    blocks = resolve_blocks(model, plan.blocks)
+    # a model cut to its first blocks has one stack
+    setting = plan.checkpoint if keep is None else CheckpointSetting.of(plan.checkpoint.value,
+                                                                        len(blocks))
     with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live):
@@ -219,13 +229,13 @@ def _simulate(cfg, rank, steps, keep, thaw):
         # the originals once sharded, and so must the simulation)
         live.adopt([*model.parameters(), *model.buffers()])
         with stage("installing the checkpoint policy"):
-            cfg.checkpoint_policy(setting).apply(model, cfg.blocks_path)
+            policy = install(plan, model, setting)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
-            mesh_ready = _premade_mesh(wrap_cfg, ctx)
-        wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False,
-                                                mesh=mesh_ready, precision=cfg.precision)
+            mesh_ready = _premade_mesh(wrap_plan, ctx)
+        wrapped, optimizer, _ = strategies.wrap(wrap_plan, model, ctx, count_comm=False,
+                                                mesh=mesh_ready, precision=plan.precision)
         trace = OpTrace(live)
-        buckets = watch_buckets(wrapped, cfg, trace.bucket)
+        buckets = watch_buckets(wrapped, plan, trace.bucket)
         gc.collect()  # fake tensors sit in reference cycles: what a rank frees at once, now
         thaw()
         if cuda:  # torch's default on CUDA: the foreach implementation
@@ -235,14 +245,16 @@ def _simulate(cfg, rank, steps, keep, thaw):
         peaks, segments = [], []
         hooks = _watch_blocks(live, blocks) + trace.watch(
             blocks, model, grads=hasattr(wrapped, "register_comm_hook"))
-        for step in range(steps):
+        streams = cudastreams.recorded(trace) if cuda else contextlib.nullcontext()
+        for step in _within(streams, range(steps)):
             trace.reset()
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
             with on_device(target), stage("the step"):
-                peak, cut = _one_step(cfg, step, live, model, wrapped, optimizer, batches,
-                                      buckets, as_real_for_transformers(real_batch), trace)
+                peak, cut = _one_step(plan, step, live, (model, wrapped, optimizer, policy),
+                                      batches, buckets, as_real_for_transformers(real_batch),
+                                      trace)
             extra = cublas_workspaces(target) if target is not None else 0
             peaks.append(_plus(peak, extra))
             segments.append({k: (v + extra, {**ledger, "other": ledger["other"] + extra})
@@ -252,6 +264,12 @@ def _simulate(cfg, rank, steps, keep, thaw):
             h.remove()
         loads = _loads(optimizer, model, cfg.world_size)
     return Simulation(rank, peaks, loads, segments, stream=trace.stream)
+
+
+def _within(context, items):
+    """``items``, iterated inside ``context`` (FSDP2's CUDA streams, recorded)."""
+    with context:
+        yield from items
 
 
 def _first_tensor(values):
@@ -325,12 +343,15 @@ def _plus(peak, extra):
                        {p: b + extra for p, b in peak.by_phase.items()})
 
 
-def _premade_mesh(cfg, ctx):
-    return strategies.fsdp_mesh(ctx.device.type, cfg) if strategies.is_fsdp(cfg.strategy) else None
+def _premade_mesh(plan, ctx):
+    return strategies.fsdp_mesh(ctx.device.type, plan) if strategies.is_fsdp(plan.strategy) \
+        else None
 
 
-def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real_transformers,
-              trace):
+def _one_step(plan, step, live, rank, batches, buckets, real_transformers, trace):
+    """One simulated step. ``rank``: (model, wrapped, optimizer, checkpoint policy); ``trace``
+    records its ops (`optrace.OpTrace`)."""
+    model, wrapped, optimizer, policy = rank
     start = len(live.events)
     census = {"parameters": storages(model.parameters(), by="impl"),
               "gradients": storages((p.grad for p in model.parameters()), by="impl"),
@@ -338,12 +359,12 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
     base = live.total
     live.forward_ends, live.points = [], []
     acts = ActivationProbe()
-    acts.new_step()
+    acts.new_step(policy)
     with real_transformers, trace:
-        train_step(wrapped, optimizer, batches, accum_steps=cfg.accum_steps,
-                   no_sync=cfg.no_sync and not (cfg.static_graph and step == 0),
-                   precision=strategies.autocast_precision(cfg), device="cpu",
-                   activation_probe=acts, inner=model, loss_fn=cfg.loss_fn, phase=trace.phase,
+        train_step(wrapped, optimizer, batches, accum_steps=plan.accum_steps,
+                   no_sync=plan.no_sync and not (plan.static_graph and step == 0),
+                   precision=strategies.autocast_precision(plan), device="cpu",
+                   activation_probe=acts, inner=model, loss_fn=plan.loss_fn, phase=trace.phase,
                    read_loss=False)
     end = len(live.events) - start
     census["ddp_buckets"] = dict(buckets.values())

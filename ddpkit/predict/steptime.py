@@ -22,9 +22,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ..devices import cuda_gpus, resolve_devices
 from ..engine.timeline import ring_allreduce_s
-from . import hardware
-from .calibrate import calibrate
+from . import hardware, replay
+from .attention import CudaTarget
+from .calibrate import calibrate, remember
+from .gpuplay import play_cuda
+from .marks import ddp_buckets, timeline_row
 from .optrace import Mark, Op
 from .peak import heaviest_rank, simulated
 
@@ -153,32 +157,6 @@ class Player:
             self.t = until
 
 
-def ddp_buckets(stream, caps):
-    """Where DDP starts each bucket's all-reduce, as positions in ``stream``: {index: (bucket,
-    bytes)}. From step 1 on DDP's buckets follow the order the gradients became ready (the
-    ``grad`` marks), the first of at most ``caps[0]`` bytes, the others ``caps[1]`` (a bucket
-    closes once it reaches its cap: torch's ``compute_bucket_assignment_by_size``), and a
-    bucket starts when its last gradient is ready. Only micro-steps that sync (those in which
-    the simulation's own DDP handed a bucket over) start any."""
-    synced = {e.micro for e in stream if isinstance(e, Mark) and e.what == "bucket"}
-    out, state = {}, {}
-    for i, e in enumerate(stream):
-        if not (isinstance(e, Mark) and e.what == "grad" and e.micro in synced):
-            continue
-        index, size = state.get(e.micro, (0, 0))
-        size += e.bytes
-        if size >= caps[min(index, len(caps) - 1)]:
-            out[i] = (index, size)
-            index, size = index + 1, 0
-        state[e.micro] = (index, size)
-    for micro, (index, size) in state.items():  # each micro-step's last, partly full bucket
-        if size:
-            end = max(i for i, e in enumerate(stream) if isinstance(e, Mark) and
-                      e.what == "grad" and e.micro == micro)
-            out[end] = (index, size)
-    return out
-
-
 def play(stream, machine, *, ranks, slowdown=1.0, link=None, rank=0, caps=(2**20, 25 * 2**20)):
     """Play a simulated step's ``stream`` on ``machine``: (seconds, ledger, rows, comm spans).
     ``ranks``: the ranks each collective spans; ``slowdown``: how much slower this rank computes
@@ -212,68 +190,50 @@ def play(stream, machine, *, ranks, slowdown=1.0, link=None, rank=0, caps=(2**20
         elif what == "optimizer_end":
             p.wait(max(p.pending.values(), default=0.0))  # ZeRO-1's broadcasts: waited on
             p.pending.clear()
-        _timeline_mark(e, p.t, opened, row)
+        timeline_row(e, p.t, opened, row)
     for start, end, kind, name, nbytes, micro in p.comm.spans:
         row("allreduce" if kind == "allreduce" else kind, name, start, end, micro, nbytes)
     return p.t, p.ledger, rows, p.comm.spans
 
 
-def _timeline_mark(e, t, opened, row):
-    """Turn marks into the timeline's rows as the rank's probe names them: a block's forward,
-    backward and recompute; the forward's stem and head, the backward's head and stem."""
-    what, i, micro = e.what, e.block, e.micro
-    if what.endswith("_start") and what != "recompute_start" or what == "recompute_start":
-        if what == "block_forward_start" and ("stem", micro) not in opened:
-            row("forward", "stem", opened.get(("fwd0", micro), 0.0), t, micro)
-            opened[("stem", micro)] = True
-        if what == "block_backward_start" and ("bhead", micro) not in opened:
-            row("backward", "head", opened.get(("fwd_end", micro), t), t, micro)
-            opened[("bhead", micro)] = True
-        opened[(what[:-6], i, micro)] = t
-        return
-    if what.endswith("_end") and i >= 0:
-        base = what[:-4]
-        start = opened.pop((base + "", i, micro), None)
-        if start is None:
-            return
-        kind = {"block_forward": "forward", "block_backward": "backward",
-                "recompute": "recompute"}[base]
-        row(kind, f"block {i}", start, t, micro)
-        opened[("last_" + kind, micro)] = t
-        return
-    if what == "forward_end":
-        row("forward", "head", opened.get(("last_forward", micro), t), t, micro)
-        opened[("fwd_end", micro)] = t
-        opened[("fwd0", micro + 1)] = t
-    elif what == "backward_end":
-        row("backward", "stem", opened.get(("last_backward", micro), t), t, micro)
-        opened[("fwd0", micro + 1)] = t
-    elif what == "optimizer_end":
-        row("optimizer", "optimizer step", opened.get(("fwd0", micro + 1), t), t, micro)
-
-
-def step_time(cfg, device=None, link=None, rank=None, machine=None):
+def step_time(cfg, device=None, link=None, rank=None, machine=None, bucket_cap_mb=...):
     """The predicted `StepTime` of ``cfg``'s optimizer step on rank ``rank`` (None: the
-    heaviest, as `peak` picks it). ``device=None``: this machine's CPU ranks over gloo, from its
-    calibration (`calibrate.calibrate`: measured on first use, then cached); a name
-    (``"H100"``, ``"A100-80GB"``...: `hardware.DEVICES`): that device's roofline. ``link``: a
-    simulated link for this machine (None: the config's own ``link_gbps``), or, for a named
-    device, the network between its nodes (``"400Gbps"``, ``"NVLink4"``, a number of Gbit/s;
-    `hardware.link`). ``machine``: a `Machine` to use as it is."""
-    if machine is None:
-        machine = calibrate() if device is None else hardware.machine(device)
-    sim = simulated(cfg, heaviest_rank(cfg) if rank is None else rank)
-    if device is None and machine.kind == "measured":
-        ranks, slow = cfg.world_size, machine.slowdown(cfg.world_size, os.cpu_count() or 1)
+    heaviest, as `peak` picks it). ``device=None``: this machine's ranks, from its calibration
+    (`calibrate.calibrate`: measured on first use, then cached; CPU ranks over gloo, or this
+    machine's GPUs where it has them); a name (``"H100"``, ``"A100-80GB"``...:
+    `hardware.DEVICES`) or a `hardware.Device`: that GPU's rank, simulated as the CUDA rank it
+    is (`hardware.target`) and played with CUDA's streams (`gpuplay`) on its roofline.
+    ``link``: a simulated link for this machine's CPU ranks (None: the config's own
+    ``link_gbps``), or, for a named device, the network between its nodes (``"400Gbps"``,
+    ``"NDR"``, a number of Gbit/s per GPU; `hardware.network`): needed once ``world_size``
+    spans nodes. ``machine``: a `Machine` to use as it is. ``bucket_cap_mb``: DDP's bucket
+    size to play the step with, where it is not the config's (the simulated step does not
+    depend on it: only when each all-reduce starts does)."""
+    target = None
+    if device is not None:
+        target = hardware.target(device)
+        machine = hardware.with_link(machine or hardware.machine(device), link, cfg.world_size)
+    elif machine is None:  # the calibration of the ranks the config runs: CPU or GPU
+        machine = calibrate(device=resolve_devices(cfg.world_size, cfg.backend, cfg.device)[1])
+    if machine.kind == "cuda" and target is None:  # this machine's GPUs, calibrated
+        target = _local_target(cfg)
+    sim = simulated(cfg, heaviest_rank(cfg, target) if rank is None else rank, target)
+    if machine.key and machine.kind == "measured" and replay.learn(machine, sim.stream):
+        remember(machine)  # what it measured here for the first time, for next time
+    mb = cfg.bucket_cap_mb if bucket_cap_mb is ... else bucket_cap_mb
+    cap = (mb or 25) * 2**20
+    caps = (2**20 if mb is None else cap, cap)  # torch's default first bucket: 1 MiB
+    if target is not None:
+        seconds, ledger, rows, spans = play_cuda(sim.stream, machine, ranks=cfg.world_size,
+                                                 rank=sim.rank, caps=caps)
+    else:
+        slow = 1.0
+        if machine.kind == "measured":
+            slow = machine.slowdown(cfg.world_size, os.cpu_count() or 1)
         gbps = _gbps(link) if link is not None else cfg.link_gbps
         wire = (gbps, cfg.link_latency_us) if gbps or cfg.link_latency_us else None
-    else:
-        ranks, slow, wire = cfg.world_size, 1.0, None
-        machine = hardware.with_link(machine, link, cfg.world_size)
-    cap = (cfg.bucket_cap_mb or 25) * 2**20
-    caps = (2**20 if cfg.bucket_cap_mb is None else cap, cap)  # torch's first bucket: 1 MiB
-    seconds, ledger, rows, spans = play(sim.stream, machine, ranks=ranks, slowdown=slow,
-                                        link=wire, rank=sim.rank, caps=caps)
+        seconds, ledger, rows, spans = play(sim.stream, machine, ranks=cfg.world_size,
+                                            slowdown=slow, link=wire, rank=sim.rank, caps=caps)
     comm = _union([(s, e) for s, e, *_ in spans])
     hidden = comm - ledger["exposed_comm"]
     samples = cfg.world_size * cfg.micro_batch * cfg.accum_steps
@@ -282,6 +242,15 @@ def step_time(cfg, device=None, link=None, rank=None, machine=None):
     return StepTime(seconds, ledger, comm, hidden / comm if comm else float("nan"), samples,
                     samples * cfg.seq_len if _sequences(cfg) else 0, flops, machine.name, rows,
                     machine.peak_flops.get(dtype), notes=list(machine.notes))
+
+
+def _local_target(cfg):
+    """The `attention.CudaTarget` of this machine's first GPU (a calibrated GPU machine)."""
+    gpus = cuda_gpus()
+    if not gpus:
+        raise ValueError("step_time(machine=...): a GPU's calibration needs that GPU here; pass "
+                         "device='H100' (a named device) or machine=calibrate() on this machine")
+    return CudaTarget.of_gpu(gpus[0])
 
 
 def _sequences(cfg):

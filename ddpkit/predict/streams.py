@@ -12,7 +12,10 @@ two differ only in sizes (a foreach optimizer's ops over longer lists), each siz
 along the line through 3 and 4 blocks. Blocks are numbered again in the order they run (the
 forward 0..N-1, the backward N-1..0, a recompute as the block whose backward it is in);
 collectives get fresh indices, and each wait is pointed at the latest collective of the same
-kind and size issued before it and not yet waited on, so prefetch chains hold.
+kind and size issued before it and not yet waited on, so prefetch chains hold. A CUDA rank's
+events (`cudastreams`) likewise: each record gets a fresh id, and each wait points at the latest
+record of an event with the same role (recorded on the same stream after the same op: FSDP2's
+"all-gather done", "copy-out done", "reduce-scatter done"), which is the event FSDP2 waits on.
 """
 from __future__ import annotations
 
@@ -36,20 +39,35 @@ def extend(three, four, n):
             out += [_along(a, b, k) for a, b in zip(three[i1:i2], added)]
         elif tag == "insert":
             out += added * (k + 1)
-        elif tag == "replace" and i2 - i1 == j2 - j1 and all(
-                _key(a, False) == _key(b, False) for a, b in zip(three[i1:i2], added)):
-            out += [_along(a, b, k) for a, b in zip(three[i1:i2], added)]
-        else:  # what the 4-block stream has instead: as it is, and the added part again
-            out += added + added[max(0, (i2 - i1)):] * k
-    return _rewire(_relabel(out))
+        else:
+            out += _replaced(three[i1:i2], added, k)
+    return _rewire_events(_rewire(_relabel(out)))
+
+
+def _replaced(three, four, k):
+    """A stretch the two streams differ in, aligned again by kind and name (sizes left out):
+    what both have is carried along the line (a foreach optimizer's ops over longer lists),
+    what only the 4-block stream has is played N - 3 times (one more block's scalar reads
+    among them), anything else is taken as the 4-block stream has it."""
+    match = difflib.SequenceMatcher(None, [_key(e, False) for e in three],
+                                    [_key(e, False) for e in four], autojunk=False)
+    out = []
+    for tag, i1, i2, j1, j2 in match.get_opcodes():
+        if tag == "equal":
+            out += [_along(a, b, k) for a, b in zip(three[i1:i2], four[j1:j2])]
+        elif tag == "insert":
+            out += four[j1:j2] * (k + 1)
+        elif tag == "replace":
+            out += four[j1:j2] + four[j1 + (i2 - i1):j2] * k
+    return out
 
 
 def _key(e, sized):
     """What aligns two streams: an op's kind, name, phase and micro-step (and its bytes where
     ``sized``), a mark's kind, phase and micro-step."""
     if isinstance(e, Op):
-        return (e.kind, e.name, e.phase, e.micro) + ((e.bytes,) if sized else ())
-    return (e.what, e.phase, e.micro)
+        return (e.kind, e.name, e.phase, e.micro, e.stream) + ((e.bytes,) if sized else ())
+    return (e.what, e.phase, e.micro, e.stream)
 
 
 def _along(a, b, k):
@@ -103,5 +121,25 @@ def _rewire(stream):
                 continue
             issued.remove(target)
             e = dataclasses.replace(e, block=target.index)
+        out.append(e)
+    return out
+
+
+def _rewire_events(stream):
+    """Fresh ids for every event record; each ``wait_event`` on the latest record, before it,
+    of an event with the same role (the stream it is recorded on, the op before it there)."""
+    out, last, role, latest, fresh = [], {}, {}, {}, 0
+    for e in stream:
+        if isinstance(e, Op):
+            last[e.stream] = e.name
+        elif e.what == "record":
+            fresh += 1
+            role.setdefault(e.block, (e.stream, last.get(e.stream)))
+            latest[role[e.block]] = fresh
+            e = dataclasses.replace(e, block=fresh)
+        elif e.what == "wait_event":
+            if e.block not in role:
+                continue  # recorded before the step: nothing to wait for
+            e = dataclasses.replace(e, block=latest[role[e.block]])
         out.append(e)
     return out
