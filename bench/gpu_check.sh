@@ -28,8 +28,10 @@
 #   peak       python -m bench.peak --device cuda (beside gpu-tests)
 #   launch     python -m bench.launch --worlds 2 --device cuda (NCCL with 2+ GPUs, shared-GPU gloo with 1)
 #   overhead   python -m bench.overhead --device cuda
+#   step-time  python -m bench.gpu_step_time: predicted beside measured step times on the GPUs
 # Without a GPU the CPU stages (wheels, env, gpu-tests: its tests skip with their reasons,
-# notebooks: on CPU ranks) run and the GPU-only ones (peak, launch, overhead) read "no GPU".
+# notebooks: on CPU ranks) run and the GPU-only ones (peak, launch, overhead, step-time) read
+# "no GPU".
 # Ends with one summary table (paste it into bench/results.md); each stage's full output is in
 # $GPU_CHECK_OUT (gpu_check_out/). A stage whose tests all skipped reads "skipped", not "pass".
 # Exit status: 0 when every stage passed or skipped, 1 when one failed or ran out of time (or
@@ -46,20 +48,30 @@ PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3
 T_START=$SECONDS
 
 # Limits, in seconds. The sequential path (wheels, env, the longest of the three stages run side
-# by side, launch, overhead) plus 5 s of grace each (timeout's --kill-after) is 475 s: the whole
-# check ends inside 8 minutes even when every stage runs to its limit. Measured on CPU (2 cores
-# shared with other work, load about 6, torch 2.13.0+cpu): a cold 2-rank launch 3.6 s and a 3-step
+# by side, launch, overhead, step-time) plus 5 s of grace each (timeout's --kill-after) is 475 s
+# (printed as "worst case" at the start): the whole check ends inside 8 minutes even when every
+# stage runs to its limit, leaving the device tool's 600 s call a margin. Measured on CPU (2 cores
+# shared with other work, load 6-10, torch 2.13.0+cpu): a cold 2-rank launch 3.6 s and a 3-step
 # tiny GPT train 7.7 s; notebooks 01 and 02 under nbmake 58 s and 56 s; bench.launch --repeat 2
-# 59 s; bench.overhead --rounds 1 --steps 8 25 s. On the GPU machine (16 cores) each rank also
+# 59 s; bench.overhead --rounds 1 --steps 8 25 s; the wheels' install 11 s and env 6 s (the
+# rehearsal, Python 3.12 + torch 2.11). On the GPU machine (16 cores, one GPU) each rank also
 # starts CUDA (a context, ~1-3 s) and, on NCCL, a communicator, and the first import of a CUDA
-# torch reads ~3 GB of libraries from a cold disk: env gets 60 s, launch (about a dozen cold
-# starts of 2 ranks, each paying that) 110 s, overhead (one pool, 8 steps) 60 s, and the three
-# side-by-side stages (tests/gpu's 20 runs, the notebooks, bench.peak's two GPT-2 runs) 180 s
-# each. GPU_CHECK_LIMIT_PERCENT scales every limit (tests/test_gpu_check.py runs the script so).
-L_WHEELS=40 L_ENV=60 L_TESTS=180 L_NB=180 L_PEAK=180 L_LAUNCH=110 L_OVERHEAD=60 L_STEPTIME=240
+# torch reads ~3 GB of libraries from a cold disk: env gets 40 s; launch (about a dozen cold
+# starts of 2 ranks, each paying that; its CPU run took 59 s on 2 loaded cores) 75 s; overhead
+# (one pool, 8 steps) 45 s; the three side-by-side stages (tests/gpu: on one GPU the shared-GPU
+# runs, the NCCL ones skip; the notebooks; bench.peak's two GPT-2 runs) 140 s each; step-time
+# (bench.gpu_step_time: a GPU calibration on one warm rank, three GPT-2-small-sized runs of 12
+# steps, six simulated steps on 16 cores; each config's row is printed as it is done, so a
+# timeout keeps those) 120 s. GPU_CHECK_LIMIT_PERCENT scales every limit (tests/test_gpu_check.py
+# runs the script so).
+L_WHEELS=25 L_ENV=40 L_TESTS=140 L_NB=140 L_PEAK=140 L_LAUNCH=75 L_OVERHEAD=45 L_STEPTIME=120
 scale() { local v=$(( $1 * ${GPU_CHECK_LIMIT_PERCENT:-100} / 100 )); echo $(( v < 1 ? 1 : v )); }
 L_WHEELS=$(scale $L_WHEELS) L_ENV=$(scale $L_ENV) L_TESTS=$(scale $L_TESTS) L_NB=$(scale $L_NB)
-L_PEAK=$(scale $L_PEAK) L_LAUNCH=$(scale $L_LAUNCH) L_OVERHEAD=$(scale $L_OVERHEAD) L_STEPTIME=$(scale $L_STEPTIME)
+L_PEAK=$(scale $L_PEAK) L_LAUNCH=$(scale $L_LAUNCH) L_OVERHEAD=$(scale $L_OVERHEAD)
+L_STEPTIME=$(scale $L_STEPTIME)
+SIDE=$L_TESTS; for l in $L_NB $L_PEAK; do [ "$l" -gt "$SIDE" ] && SIDE=$l; done
+echo "== limits: worst case $((L_WHEELS + L_ENV + SIDE + L_LAUNCH + L_OVERHEAD + L_STEPTIME + 6 * 5)) s" \
+     "(each stage's limit on the sequential path, plus 5 s of grace each)"
 
 ROWS=()
 FAILED=0

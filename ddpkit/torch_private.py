@@ -43,16 +43,16 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
     "torch.utils._pytree.tree_map": "predict/simulate.py, predict/trace.py: a batch made fake",
     "torch.utils._python_dispatch.TorchDispatchMode": "predict/simulate.py: the simulated step",
     "torch._subclasses.fake_tensor.FakeTensorMode":
-        "engine/empty.py, predict/simulate.py, predict/trace.py: models and steps on fake tensors",
+        "spec/empty.py, predict/simulate.py, predict/trace.py: models and steps on fake tensors",
     "torch._subclasses.fake_tensor.is_fake": "engine/probes.py, predict/trace.py",
-    "torch._subclasses.fake_tensor.unset_fake_temporarily": "engine/empty.py, predict/simulate.py",
+    "torch._subclasses.fake_tensor.unset_fake_temporarily": "spec/empty.py, predict/simulate.py",
     "torch.Tensor._version": "engine/regions.py: a block's input not written since",
     "torch.Tensor._is_zerotensor": "rank/returns.py: a plain tensor, sent out of band",
     "torch.UntypedStorage._cdata":
         "engine/memory.py, engine/probes.py, engine/regions.py, predict/simulate.py, "
         "predict/fakeworld.py: one key per storage (fake storages have no address)",
-    "torch.nn.Module._parameters": "engine/empty.py, engine/spec.py: a module's own tensors",
-    "torch.nn.Module._buffers": "engine/empty.py, engine/spec.py: a module's own tensors",
+    "torch.nn.Module._parameters": "spec/empty.py, spec/model.py: a module's own tensors",
+    "torch.nn.Module._buffers": "spec/empty.py, spec/model.py: a module's own tensors",
     "torch.nn.modules.batchnorm._BatchNorm": "pitfalls/observe.py: every batch norm",
     "torch.nn.modules.dropout._DropoutNd": "pitfalls/rules.py: every dropout",
     "torch._C._get_fp32_precision_getter": "rank/entry.py: the kernel's float32 precision",
@@ -93,9 +93,23 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
     "._propagate_tensor_meta_non_cached":
         "predict/fakeworld.py: DTensor's metadata runs left out of the simulation (optional)",
     # aten ops the step-time trace knows by name (a renamed one would go untimed)
-    "torch._ops.OpOverload._overloadpacket": "predict/optrace.py: an op's name",
+    "torch._ops.OpOverload._overloadpacket": "predict/optrace.py, predict/rates.py: an op's name",
+    "torch._ops.OpOverload._schema": "predict/optrace.py: an op's argument names",
+    "torch.ops.profiler._record_function_enter_new":
+        "predict/optrace.py: a profiler range opens (the trace's named regions); "
+        "predict/gpuplay.py: issued, no kernel",
+    "torch.ops.profiler._record_function_exit": "predict/optrace.py, predict/gpuplay.py: ... closes",
+    "torch.ops.aten._local_scalar_dense":
+        "predict/gpuplay.py: a scalar read (.item()), the host waits for the stream; "
+        "spec/empty.py's docstring",
+    "torch._foreach_mul_": "predict/rates.py: the host's cost of issuing a foreach op",
     "torch.ops.aten._scaled_mm": "predict/optrace.py: a matmul",
-    "torch.ops.aten._softmax": "predict/rates.py: a measured rate",
+    "torch.ops.aten._softmax": "predict/rates.py: a measured rate; predict/hardware.py: memory-bound",
+    "torch.ops.aten._softmax_backward_data": "predict/hardware.py: a memory-bound op",
+    "torch.ops.aten._log_softmax": "predict/hardware.py: a memory-bound op",
+    "torch.ops.aten._log_softmax_backward_data": "predict/hardware.py: a memory-bound op",
+    "torch.ops.aten._fused_rms_norm": "predict/hardware.py: a memory-bound op",
+    "torch.ops.aten._fused_rms_norm_backward": "predict/hardware.py: a memory-bound op",
     "torch.ops.aten._unsafe_view": "predict/optrace.py: a view (free)",
     "torch.ops.aten._reshape_alias": "predict/optrace.py: a view (free)",
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "predict/optrace.py: attention",

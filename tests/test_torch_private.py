@@ -22,8 +22,8 @@ NOT_TORCH = {"_repr_mimebundle_", "_config", "_dom_classes", "_trait_values", "_
              "_lock", "_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa",
              "_gradient_checkpointing_func", "_fields", "_local", "_exit", "_filters_mutated",
              "_data", "_layout_obj", "_props", "_py2js_",
-             # suffixes of op and setting names, not names
-             "_backward", "_view",
+             # pieces of op and setting names, not names (the whole op names are listed)
+             "_backward", "_view", "_foreach_", "_scaled_dot_product_", "_attention",
              # predict/optrace.py's list of free ops names it; no torch 2.11-2.15 has that op
              "_to_copy_view"}
 
