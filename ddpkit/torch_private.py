@@ -37,6 +37,9 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
         "engine/timeline.py: the end of the autograd pass, as DDP queues its finalizer",
     "torch._C._AutoDispatchBelowAutograd":
         "engine/collectives.py: on to a collective's own kernel after counting it",
+    "torch.autograd.graph._engine_run_backward":
+        "predict/attention.py: a CUDA rank's simulated backward, run as torch.autograd.backward "
+        "runs it with the CUDA attention mode pushed again (its recompute sees CUDA's kernel)",
     "torch.utils._pytree.tree_flatten": "engine/regions.py: a block's tensors",
     "torch.utils._pytree.tree_unflatten": "engine/regions.py: a block's tensors",
     "torch.utils._pytree.tree_leaves": "predict/simulate.py: the simulation's tensors",

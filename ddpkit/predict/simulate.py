@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..devices import resolve_devices
+from ..devices import cublas_workspace_config, resolve_devices
 from ..engine import memory, strategies
 from ..engine.memory import optimizer_tensors, storages
 from ..engine.policies import install
@@ -322,8 +322,6 @@ def cublas_workspaces(target):
     torch's default: 4096 KiB x 8 on compute capability 9.0 and up, else 4096 KiB x 2 + 16 KiB
     x 8 (``CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``)."""
     import re
-
-    from ..devices import cublas_workspace_config
 
     config = cublas_workspace_config(torch.are_deterministic_algorithms_enabled())
     pairs = re.findall(r":(\d+):(\d+)", config or "")
