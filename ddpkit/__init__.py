@@ -11,7 +11,14 @@ results) ← ``lab/`` (the Lab: widgets and live figures) ← ``cli`` and this f
 
 Light at import: rank processes import this package too, so the notebook-only parts
 (widgets, plots) and the pitfall runners load on first use.
+
+The torch here is checked first (`torch_private.check_torch`): a release outside the supported
+range fails this import with the range and the fix, not a run deep inside.
 """
+from .torch_private import check_torch
+
+check_torch()
+
 from .errors import RankError, RankStalled, TraceError
 from .runtime.handle import RunHandle, RunResult
 from .runtime.launch import launch

@@ -12,7 +12,7 @@ import dataclasses
 import shlex
 from dataclasses import dataclass, field
 
-from .devices import check_bf16, local_world_size, resolve_devices, under_torchrun
+from .devices import check_bf16, local_share, resolve_devices, under_torchrun
 from .slurm import sbatch_script
 from .spec import model as spec
 from .spec.blocks import paths_of
@@ -327,7 +327,7 @@ class TrainConfig:
 
     def _check_devices(self):
         # under torchrun the world spans machines: this machine runs only its own ranks
-        here = local_world_size(self.world_size) if under_torchrun() else self.world_size
+        here = local_share(self.world_size) if under_torchrun() else self.world_size
         backend, device = resolve_devices(here, self.backend, self.device)
         if self.precision == "fp16" and device != "cuda":
             raise ValueError("TrainConfig.precision='fp16' needs CUDA (GradScaler on CPU is a "

@@ -9,7 +9,9 @@ The choices (torch 2.13's ``distributed/distributed_c10d.py`` backs each):
 
 * ``nccl`` when there is a GPU per rank. NCCL serves only CUDA tensors
   (``Backend.backend_capability["nccl"] == ["cuda"]``), so the group is brought up as
-  ``"cpu:gloo,cuda:nccl"``: CPU tensors, barriers and object collectives go over gloo.
+  ``"cpu:gloo,cuda:nccl"``: CPU tensors and object collectives go over gloo. ``barrier()`` runs
+  on NCCL: ddpkit binds each NCCL rank's GPU (``init_process_group(device_id=...)``), and
+  ``barrier`` takes the group's ``bound_device_id`` before anything else.
 * gloo on shared GPUs when there are fewer GPUs than ranks: NCCL cannot put two ranks on one
   GPU, gloo carries CUDA tensors (``backend_capability["gloo"] == ["cpu", "cuda"]``). Ranks take
   the GPUs round-robin. It shows DDP's behaviour, not its speed.
@@ -17,7 +19,9 @@ The choices (torch 2.13's ``distributed/distributed_c10d.py`` backs each):
 
 Under torchrun (`under_torchrun`) the world spans machines: each machine chooses for the ranks it
 runs itself (`local_world_size`), so every rank of a machine makes the same choice. Under srun
-(SLURM) without torchrun, SLURM's variables say how many ranks run here where torch's are absent.
+(SLURM) without torchrun, SLURM's variables say how many ranks run here where torch's are absent,
+and whether SLURM bound GPUs of its own to each task (`gpus_bound_per_task`): then a task sees
+only its own GPU, and 8 tasks on an 8-GPU node are 8 NCCL ranks, not 8 ranks sharing 1 GPU.
 """
 from __future__ import annotations
 
@@ -122,6 +126,19 @@ def group_backend(backend):
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
+DETERMINISTIC_CUBLAS = ":4096:8"  # torch's docs: deterministic cuBLAS needs a fixed workspace
+
+
+def cublas_workspace_config(deterministic):
+    """The ``CUBLAS_WORKSPACE_CONFIG`` a CUDA rank runs with: the user's own value where the
+    kernel's environment has one, else ``:4096:8`` when the run is deterministic (cuBLAS is
+    deterministic only with it set before CUDA initialises: torch's
+    ``testing/_internal/common_utils.py``), else None (cuBLAS's default). The ranks set it and
+    the estimate reads it from here, so they agree."""
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG") or (
+        DETERMINISTIC_CUBLAS if deterministic else None)
+
+
 def rank_gpu(rank, gpus):
     """The GPU index of a rank: its own with one per GPU, round-robin when they share."""
     return rank % gpus
@@ -156,6 +173,38 @@ def local_world_size(world_size):
     and MASTER_ADDR from SLURM's variables, rarely LOCAL_WORLD_SIZE); else all of them."""
     here = os.environ.get("LOCAL_WORLD_SIZE") or slurm_tasks_on_this_node()
     return min(world_size, int(here or world_size))
+
+
+def local_share(world_size):
+    """How many ranks share this process's visible GPUs, for a process a launcher started
+    (torchrun, srun): this machine's ranks (`local_world_size`), or 1 where SLURM bound GPUs of
+    its own to each task (`gpus_bound_per_task`). The backend is chosen for that many."""
+    here = local_world_size(world_size)
+    return 1 if gpus_bound_per_task(here) else here
+
+
+def gpus_bound_per_task(local_tasks):
+    """Did SLURM bind GPUs of its own to each of this node's ``local_tasks`` tasks
+    (``srun --gpus-per-task=1``, whose default is ``--gpu-bind=per_task:1``; ``--gpu-bind``)?
+    Each task then sees only its own GPU(s) (SLURM sets ``CUDA_VISIBLE_DEVICES`` per task), so
+    counting the visible GPUs against the node's tasks would put 8 ranks on "one" GPU over gloo.
+
+    Bound when this task sees ``SLURM_GPUS_PER_TASK`` GPUs, or fewer than the step holds on
+    this node (``SLURM_GPUS_ON_NODE``, or the ids in ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``)
+    and that many are enough for every task to have as many of its own. Tasks that share GPUs
+    (``--ntasks-per-gpu=2``) are not bound: they stay on gloo."""
+    env = os.environ
+    if "SLURM_LOCALID" not in env or local_tasks < 2:
+        return False
+    visible = len(cuda_gpus())
+    per_task = env.get("SLURM_GPUS_PER_TASK", "").rpartition(":")[2]  # "1" or "a100:1"
+    ids = env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS")
+    on_node = int(env.get("SLURM_GPUS_ON_NODE") or 0) or (len(ids.split(",")) if ids else 0)
+    if not visible:
+        return False
+    if per_task.isdigit() and visible == int(per_task):
+        return True
+    return visible < on_node and on_node >= local_tasks * visible
 
 
 def local_rank(rank):

@@ -113,8 +113,11 @@ SRUN_ENV = dict(  # what srun sets for task 5 of 8, 4 per node, plus the user's 
     RANK="5", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
 
 
+SRUN_GPU_ENV = ("SLURM_GPUS_PER_TASK", "SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
+
+
 def srun(monkeypatch, **env):
-    for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", *SRUN_ENV):
+    for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", *SRUN_ENV, *SRUN_GPU_ENV):
         monkeypatch.delenv(k, raising=False)
     for k, v in {**SRUN_ENV, **env}.items():
         if v is not None:
@@ -131,6 +134,29 @@ def test_under_srun_the_local_world_is_this_nodes_tasks(monkeypatch):
     assert (ctx.backend, str(ctx.device)) == ("nccl", "cuda:1")
     cfg = ddpkit.TrainConfig(world_size=8, backend="nccl", device="cuda")  # not refused
     assert cfg.world_size == 8
+
+
+EIGHT_TASKS = dict(SLURM_NTASKS="16", SLURM_NTASKS_PER_NODE="8", SLURM_TASKS_PER_NODE="8(x2)",
+                   SLURM_STEP_TASKS_PER_NODE="8(x2)", SLURM_LOCALID="5", SLURM_PROCID="13",
+                   RANK="13", WORLD_SIZE="16", CUDA_VISIBLE_DEVICES="5")
+
+
+@pytest.mark.parametrize("gpu_env, want", [
+    # srun --ntasks-per-node=8 --gpus-per-task=1: each task sees its own GPU, as its cuda:0
+    (dict(SLURM_GPUS_PER_TASK="1"), ("nccl", "cuda:0")),
+    (dict(SLURM_GPUS_ON_NODE="8", SLURM_STEP_GPUS="0,1,2,3,4,5,6,7"), ("nccl", "cuda:0")),
+    (dict(SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"), ("nccl", "cuda:0")),
+    # srun --ntasks-per-node=8 --ntasks-per-gpu=2 on 4 GPUs: two tasks per GPU, over gloo
+    (dict(SLURM_GPUS_ON_NODE="4"), ("gloo", "cuda:0")),
+])
+def test_under_srun_a_gpu_bound_per_task_is_each_ranks_own(monkeypatch, gpu_env, want):
+    gpus(monkeypatch, 1)  # what each task sees
+    srun(monkeypatch, **EIGHT_TASKS, **gpu_env)
+    ctx = Context.from_env()
+    assert (ctx.rank, ctx.local_rank) == (13, 5)
+    assert (ctx.backend, str(ctx.device)) == want
+    if want[0] == "nccl":  # the config of such a run is not refused for 8 ranks on "1" GPU
+        assert ddpkit.TrainConfig(world_size=16, backend="nccl", device="cuda").world_size == 16
 
 
 @pytest.mark.parametrize("env, want", [

@@ -25,12 +25,13 @@ ROOT = Path(ddpkit.__file__).parent
 # the predictions (nothing runs); real runs and their records; the Lab; the workshop (the
 # curriculum and its check: it launches ranks, nothing more); the command line and the
 # package root.
-LEAVES = {"errors", "devices", "shipping", "slurm"}
+LEAVES = {"errors", "devices", "shipping", "slurm", "torch_private"}
 ALLOWED = {
     "errors": set(),
     "devices": set(),
     "shipping": set(),
     "slurm": set(),
+    "torch_private": set(),
     "spec": {"errors"},
     "engine": {"spec", "devices", "errors"},
     "rank": {"devices", "errors", "shipping"},

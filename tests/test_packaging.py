@@ -38,6 +38,14 @@ def test_environment_yml_lists_the_same_packages_as_pyproject():
         assert py[name].specifier.contains(pinned[0], prereleases=True), (name, req, py[name])
 
 
+def test_pyproject_asks_for_the_torch_releases_ddpkit_supports():
+    from ddpkit.torch_private import CHECKED, SUPPORTED
+
+    (major, minor), _ = SUPPORTED
+    assert str(pyproject_reqs()["torch"].specifier) == f">={major}.{minor}"
+    assert environment_reqs()["torch"].specifier.contains(CHECKED[1])  # the default, checked
+
+
 def test_environment_yml_pins_the_cpu_torch_the_setup_installs():
     assert str(environment_reqs()["torch"].specifier) == "==2.13.0"
     assert "torch==2.13.0" in (ROOT / ".ci" / "setup").read_text()

@@ -256,3 +256,27 @@ def test_a_simulation_leaves_the_collector_as_it_found_it():
         assert gc.get_freeze_count() > 0  # still the user's
     finally:
         gc.unfreeze()
+
+
+def test_a_deterministic_runs_cublas_workspaces_are_the_ones_its_ranks_set(monkeypatch):
+    # ranks of a deterministic run set CUBLAS_WORKSPACE_CONFIG=:4096:8 (rank/entry.py): on an
+    # A100 the estimate read cuBLAS's default (4096 KiB x 2 + 16 KiB x 8 per handle) instead,
+    # 2 x 23.9 MiB below the ranks' two 32 MiB workspaces
+    import torch
+
+    from ddpkit import devices
+    from ddpkit.predict.attention import CudaTarget
+    from ddpkit.predict.simulate import cublas_workspaces
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    a100 = CudaTarget(capability=(8, 0))
+    assert cublas_workspaces(a100) == 2 * (4096 * 2 + 16 * 8) * 1024
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert devices.cublas_workspace_config(True) == ":4096:8"  # what the ranks set
+        assert cublas_workspaces(a100) == 2 * 4096 * 8 * 1024
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own value: both keep it
+        assert devices.cublas_workspace_config(True) == ":16:8"
+        assert cublas_workspaces(a100) == 2 * 16 * 8 * 1024
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -143,3 +143,23 @@ def test_under_torchrun_an_fsdp_run_gathers_no_weights_nobody_receives(pool):
     cfg = ddpkit.TrainConfig(**BASE, strategy="fsdp")
     res = ddpkit.launch(train_without_weights, cfg.rank_plan(), pool=pool)
     assert res.returns == [None, None] and len(res.metrics) == 2 * cfg.steps
+
+
+def hsdp_mesh_and_group_count(ctx, shard_size):
+    """One HSDP job's mesh: the process groups this rank holds before it and after."""
+    import torch.distributed as dist
+
+    from ddpkit.engine.strategies import hsdp_mesh
+
+    before = len(dist.distributed_c10d._world.pg_map)
+    hsdp_mesh(ctx.device.type, shard_size)
+    return before, len(dist.distributed_c10d._world.pg_map)
+
+
+def test_hsdp_jobs_in_a_warm_pool_reuse_their_process_groups(pool):
+    # each job used to make a shard and a replicate group per rank and never destroy them
+    # (with NCCL, a communicator each): a pool's process groups grew with every HSDP job
+    runs = [pool.launch(hsdp_mesh_and_group_count, 2).returns for _ in range(3)]
+    first = runs[0][0]
+    assert first[1] - first[0] in (0, 2), runs  # made now (shard, replicate), or by a job before
+    assert all(after == first[1] for run in runs for _, after in run), runs

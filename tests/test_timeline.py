@@ -77,6 +77,8 @@ def test_timeline_agrees_with_ddps_runtime_statistics(small_buckets):
     v = versus_ddp(small_buckets.timeline, small_buckets.ddp_stats)
     # DDP logs an iteration's timers at the next synced forward: steps 0..2 of 4, both ranks
     assert len(v) == 6, v
+    # on CPU both stamp the host: one clock (on CUDA DDP's are labelled "host launch")
+    assert set(small_buckets.ddp_stats["clock"]) == set(v.ddp_clock) == {"timeline"}
     for row in v.itertuples():
         pairs = [("comm_start_s", "ddp_comm_start_s"), ("compute_end_s", "ddp_compute_end_s")]
         if row.step >= 1:  # step 0 is DDP's one-bucket iteration (see below)
@@ -282,3 +284,19 @@ def test_ddps_own_knobs_pass_through_and_keep_the_timeline_whole(pool, knobs):
     if knobs.get("static_graph"):  # DDP holds every all-reduce of step 0 to the end of backward
         for _, g in tl[tl.step == 0].groupby("rank"):
             assert g[g.kind == "allreduce"].start_s.min() >= blocks(g, "backward").end_s.max()
+
+
+def test_gloo_all_reduce_ends_are_host_stamps_also_on_a_shared_gpu():
+    # the shared-GPU mode, a rank on GPU 1 over gloo: the end of its all-reduce is stamped in
+    # the future's callback on gloo's worker thread, where torch sets no device (gloo's futures
+    # carry none). A CUDA event recorded there went to GPU 0, and reading it against the rank's
+    # GPU-1 reference event failed. Gloo's end is the host's clock; NCCL's stays a CUDA event
+    # on the callback's stream (which torch synchronises with the all-reduce).
+    from ddpkit.engine.timeline import TimelineProbe, _CudaClock
+
+    shared = TimelineProbe(1, 3, "cuda:1", every=1, backend="gloo")
+    assert isinstance(shared.clock, _CudaClock) and shared.end_stamp is time.time_ns
+    nccl = TimelineProbe(1, 2, "cuda:1", every=1, backend="nccl")
+    assert nccl.end_stamp == nccl.clock.stamp
+    shared.clock.ref_ns = 1_000
+    assert shared.clock.read(123_456) == 123_456  # a host stamp beside the rank's events

@@ -184,7 +184,7 @@ def test_packages_of_mismatched_versions_are_named(monkeypatch):
     status, found, fix = packages.widgets_row()
     assert status == "fail" and found.startswith("jupyterlab_widgets 3.0.1 (ipywidgets ")
     assert fix == "pip install -U ipywidgets jupyterlab_widgets"
-    assert check.torch_row({}) == ("fail", "torch 2.5.1, ddpkit needs >=2.6",
+    assert check.torch_row({}) == ("fail", "torch 2.5.1, ddpkit needs >=2.11",
                                    "pip install -U torch")
 
 

@@ -415,11 +415,13 @@ class PeakProbe:
 
 
 @contextlib.contextmanager
-def cuda_history(path):
+def cuda_history(path, stacks="python"):
     """The CUDA caching allocator's history of what runs inside (every allocation and free,
-    with Python and C++ stacks), written to ``path``: a pickle that
-    https://pytorch.org/memory_viz draws (``TrainConfig.memory_snapshot``)."""
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    with its Python stack), written to ``path``: a pickle that https://pytorch.org/memory_viz
+    draws (``TrainConfig.memory_snapshot``). ``stacks="all"`` adds the C++ frames, torch's own
+    default, which can make the recorded step and the dump slow (C++ frames are unwound at each
+    allocation and symbolised at the dump)."""
+    torch.cuda.memory._record_memory_history(stacks=stacks, max_entries=1_000_000)
     try:
         yield
     finally:

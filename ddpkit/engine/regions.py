@@ -35,7 +35,7 @@ from torch.utils.checkpoint import (_checkpoint_without_reentrant_generator, get
                                     noop_context_fn, set_device_states)
 
 
-# older torch (2.6 is the floor) has no early_stop parameter: pass it only where there is one
+# a torch whose generator has no early_stop parameter: pass it only where there is one
 _EARLY_STOP = (True,) if "early_stop" in inspect.signature(
     _checkpoint_without_reentrant_generator).parameters else ()
 

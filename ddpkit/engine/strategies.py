@@ -127,25 +127,47 @@ def fsdp_mesh(device_type, plan=None):
 def hsdp_mesh(device_type, shard_size):
     """The 2-D mesh of HSDP: ranks ``[r*S, (r+1)*S)`` shard one copy (S = ``shard_size``,
     consecutive ranks: on a cluster, one node's GPUs), rank ``i`` replicates with every rank
-    ``i mod S``. Its groups are made here, by every rank in the same order, with the job's
-    timeout (``init_device_mesh`` would give them torch's default), then handed to
-    ``DeviceMesh.from_group``."""
+    ``i mod S``. Its groups (`hsdp_groups`) carry the job's timeout (``init_device_mesh`` would
+    give them torch's default) and are handed to ``DeviceMesh.from_group``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     layout = torch.arange(world).view(world // shard_size, shard_size)
     backend = dist.group.WORLD._get_backend(torch.device(device_type))
     timeout = getattr(getattr(backend, "options", None), "_timeout", None)
-    shard = replicate = None
+    replicate, shard = hsdp_groups(layout, timeout)
+    return DeviceMesh.from_group([replicate, shard], device_type, mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+_HSDP_GROUPS = {}  # layout shape -> (default group, this rank's replicate group, shard group)
+
+
+def hsdp_groups(layout, timeout=None):
+    """This rank's (replicate, shard) groups of ``layout``, made by every rank in the same order
+    on the first HSDP job of a default group and kept for the next ones: a warm pool's ranks run
+    job after job, and new groups per job would pile up (with ``device_id`` bound, each one an
+    NCCL communicator split at once, in memory the caching allocator does not count). Every rank
+    of a pool runs the same job, so all make them or all reuse them; reused ones take the
+    job's ``timeout``."""
+    import torch.distributed as dist
+
+    kept = _HSDP_GROUPS.get(tuple(layout.shape))
+    if kept is not None and kept[0] is dist.group.WORLD:
+        if timeout is not None:
+            for group in kept[1:]:
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
+        return kept[1:]
+    rank, shard, replicate = dist.get_rank(), None, None
     for row in layout.tolist():
         g = dist.new_group(row, timeout=timeout)
         shard = g if rank in row else shard
     for col in layout.t().tolist():
         g = dist.new_group(col, timeout=timeout)
         replicate = g if rank in col else replicate
-    return DeviceMesh.from_group([replicate, shard], device_type, mesh=layout,
-                                 mesh_dim_names=("replicate", "shard"))
+    _HSDP_GROUPS[tuple(layout.shape)] = (dist.group.WORLD, replicate, shard)
+    return replicate, shard
 
 
 def full_state_dict(plan, wrapped, model):

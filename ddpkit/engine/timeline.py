@@ -17,15 +17,23 @@ event: ``(rank, step, micro_step, kind, name, start_s, end_s, bytes)``.
   function, timed when it runs outside the model's forward).
 * ``allreduce``: one per DDP bucket, from the DDP comm hook (``CommCounter``'s, wrapping the
   default all-reduce): start when DDP hands the bucket over, end in ``Future.then``. On gloo the
-  callback runs on gloo's worker thread once the collective is done. On NCCL the future completes
+  callback runs on gloo's worker thread once the collective is done, and the end is the host's
+  clock then, CUDA tensors or not: gloo's futures carry no devices, so torch sets no device or
+  stream for the callback, and an event recorded there would land on whatever GPU that thread
+  has current (GPU 0, for a rank on GPU 1 in the shared-GPU mode). On NCCL the future completes
   when the kernel is *queued* (torch's ``Future.then`` docstring), so the rows are CUDA events
-  (one recorded in the hook on the current stream, one in the callback, whose current stream
-  torch synchronises with the all-reduce) read after the step; so are all other rows on CUDA.
+  (one recorded in the hook on the rank's current stream, one in the callback, whose current
+  stream torch synchronises with the all-reduce) read after the step; so are all other rows on
+  CUDA. Every event is recorded on the rank's own device, whichever thread records it.
 * ``optimizer``: the optimizer's step pre- and post-hooks.
 
 Clocks. Every row is ``time.time_ns()`` (CLOCK_REALTIME), the clock DDP's reducer timer and the
 torch profiler stamp their events with, so the three compare with no conversion; times are
-seconds since rank 0's reading at a start-up barrier. Ranks on one host read one system clock:
+seconds since rank 0's reading at a start-up barrier. On CUDA a row's times are when the GPU got
+there (its events, placed on this clock by a reference event taken after a synchronize), while
+DDP's timestamps stay the host's *launch* times (its ``CudaTimer`` stamps the host when it
+records each event; only its durations are GPU times): ``ddp_stats`` says which in ``clock``
+("host launch" there, "timeline" where both are the host's). Ranks on one host read one system clock:
 the alignment error is zero (a reading costs ~50 ns). Ranks on several hosts: each rank's offset
 to rank 0 is the median over 5 rounds of (its reading - rank 0's) right after a barrier, and the
 error is at most the slowest of those barriers (``clock_error_s`` in the first probed record).
@@ -82,25 +90,30 @@ class SimulatedLink:
 
 
 class _CudaClock:
-    """Stamps are CUDA events on the current stream, read after the step against a reference
-    event recorded on an idle device (after a synchronize) at a known host time."""
+    """Stamps are CUDA events on the rank's device (the one current when the step starts), on
+    the recording thread's current stream of that device, read after the step against a
+    reference event recorded on an idle device (after a synchronize) at a known host time.
+    A host stamp (an int of ``time.time_ns()``) reads as itself."""
 
     def __init__(self):
-        self.ref = self.ref_ns = None
+        self.ref = self.ref_ns = self.device = None
 
     def start(self):
-        torch.cuda.synchronize()
+        self.device = torch.cuda.current_device()
+        torch.cuda.synchronize(self.device)
         self.ref = torch.cuda.Event(enable_timing=True)
-        self.ref.record()
+        self.ref.record(torch.cuda.current_stream(self.device))
         self.ref_ns = time.time_ns()
 
     def stamp(self):
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))  # not the thread's current device
         return ev
 
-    def read(self, ev):
-        return self.ref_ns + int(self.ref.elapsed_time(ev) * 1e6)  # elapsed_time: ms
+    def read(self, stamp):
+        if isinstance(stamp, int):
+            return stamp
+        return self.ref_ns + int(self.ref.elapsed_time(stamp) * 1e6)  # elapsed_time: ms
 
 
 class _HostClock:
@@ -135,9 +148,11 @@ class TimelineProbe:
     """``probe.step(step, model, optimizer)`` around each optimizer step; on the probed ones
     ``probe.rows`` holds its events. ``watch`` is the comm hook's observer (`CommCounter`)."""
 
-    def __init__(self, rank, world_size, device, every, link=None):
+    def __init__(self, rank, world_size, device, every, link=None, backend="gloo"):
         self.rank, self.world_size, self.every, self.link = rank, world_size, every, link
         self.clock = _CudaClock() if torch.device(device).type == "cuda" else _HostClock()
+        # an all-reduce's end: gloo's, on the host when its callback runs (see the docstring)
+        self.end_stamp = time.time_ns if backend == "gloo" else self.clock.stamp
         self.origin_ns, self.offset_ns, self.clock_error_s = 0, 0, 0.0
         self.ddp = None  # DDP's own runtime statistics are read beside the rows (`attach`)
         self._first = True
@@ -157,7 +172,7 @@ class TimelineProbe:
             return None
         link = SimulatedLink(ctx.world_size, plan.link_gbps, plan.link_latency_us) \
             if simulate else None
-        return cls(ctx.rank, ctx.world_size, ctx.device, plan.timeline_every, link)
+        return cls(ctx.rank, ctx.world_size, ctx.device, plan.timeline_every, link, ctx.backend)
 
     def attach(self, wrapped):
         """After wrapping (collective): align the clocks; read DDP's own statistics of every
@@ -263,7 +278,8 @@ class TimelineProbe:
 
     def _read_ddp(self):
         """DDP's runtime statistics of the iterations logged since the last read (times in ns
-        since the epoch, as ours: turned into timeline seconds)."""
+        since the epoch, as ours: turned into timeline seconds; on CUDA the host's launch times,
+        ``clock`` says so)."""
         self._read_next = False
         if self.ddp is None:
             return
@@ -273,6 +289,7 @@ class TimelineProbe:
             return
         self._ddp_seen = it
         out = {"iteration": it, "bucket_sizes": d.get("bucket_sizes", ""),
+               "clock": "host launch" if isinstance(self.clock, _CudaClock) else "timeline",
                "rebuilt_bucket_sizes": d.get("rebuilt_bucket_sizes", "")}
         for key in ("forward_compute_time_start", "backward_compute_time_start",
                     "backward_compute_time_end", "backward_comm_time_start",
@@ -406,7 +423,7 @@ class TimelineProbe:
                 if wait > 0:
                     time.sleep(wait / 1e9)
             if record:
-                self._add("allreduce", f"bucket {index}", start, self.clock.stamp(), nbytes,
+                self._add("allreduce", f"bucket {index}", start, self.end_stamp(), nbytes,
                           micro=micro)
             return f.value()
         return fut.then(done)

@@ -389,7 +389,7 @@ class _StandIn(torch.autograd.Function):
 def run_target(world_size, backend=None, device=None):
     """The GPU rank 0 of such a run computes attention on (a `CudaTarget`), or None when its
     ranks run on CPU. Under torchrun or srun, the choice of this machine's own ranks."""
-    here = devices.local_world_size(world_size) if devices.under_torchrun() else world_size
+    here = devices.local_share(world_size) if devices.under_torchrun() else world_size
     if devices.resolve_devices(here, backend, device)[1] != "cuda":
         return None
     return CudaTarget.of_gpu(devices.cuda_gpus()[0])

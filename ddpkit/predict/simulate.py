@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..devices import resolve_devices
+from ..devices import cublas_workspace_config, resolve_devices
 from ..engine import memory, strategies
 from ..engine.memory import optimizer_tensors, storages
 from ..engine.policies import install
@@ -317,13 +317,13 @@ def _loads(optimizer, model, world_size):
 def cublas_workspaces(target):
     """Bytes of cuBLAS workspace a CUDA rank's step holds: one per (thread, stream) that runs a
     matmul (the forward on the rank's thread, the backward on autograd's device thread), each
-    ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` in KiB, summed) or torch's default: 4096 KiB
-    x 8 on compute capability 9.0 and up, else 4096 KiB x 2 + 16 KiB x 8
-    (``CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``)."""
-    import os
+    the ``CUBLAS_WORKSPACE_CONFIG`` the ranks will run with (``:SIZE:COUNT`` in KiB, summed;
+    `devices.cublas_workspace_config`: ``:4096:8`` when the kernel runs deterministic) or
+    torch's default: 4096 KiB x 8 on compute capability 9.0 and up, else 4096 KiB x 2 + 16 KiB
+    x 8 (``CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``)."""
     import re
 
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    config = cublas_workspace_config(torch.are_deterministic_algorithms_enabled())
     pairs = re.findall(r":(\d+):(\d+)", config or "")
     if pairs:
         each = sum(int(size) * 1024 * int(count) for size, count in pairs)

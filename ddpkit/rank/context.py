@@ -46,7 +46,7 @@ class Context:
         variables); ``backend`` and ``device`` as in `ddpkit.launch`."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = devices.local_rank(rank)  # LOCAL_RANK, or SLURM_LOCALID under srun
-        here = devices.local_world_size(world)
+        here = devices.local_share(world)  # 1 where SLURM bound a GPU of its own to each task
         # the choice a spawned run of this machine's ranks gets, so every rank agrees on it
         backend, kind = devices.resolve_devices(here, backend, device)
         if kind == "cuda":

@@ -195,10 +195,9 @@ def rank_main(rank, world_size, conn, spec):
 
     def start():
         torch.set_num_threads(spec["threads"])
-        if spec["deterministic"]:
-            # cuBLAS is deterministic only with this set before CUDA initialises (torch's
-            # testing/_internal/common_utils.py notes it); a user's own value is kept
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        cublas = devices.cublas_workspace_config(spec["deterministic"])  # before CUDA starts
+        if cublas is not None:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
         device = _place(rank, spec)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           MASTER_ADDR=spec["host"], MASTER_PORT=str(spec["port"]))

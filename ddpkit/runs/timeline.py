@@ -3,7 +3,8 @@ statistics beside ours (the figures: `figures.py`; live in the Lab: `ddpkit.lab.
 
 Rows come from `ddpkit.engine.timeline.TimelineProbe` inside each probed step's record
 (``timeline``: tuples; ``timeline_window``: the step's start and end; ``ddp_stats``: what DDP's
-reducer timed). Times are seconds on one clock shared by the ranks (see the probe).
+reducer timed). Times are seconds on one clock shared by the ranks (see the probe); on CUDA,
+DDP's own timestamps are the host's launch times beside the GPU's (their ``clock`` column).
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def versus_ddp(timeline, ddp):
         bwd_end = g[g.kind.isin(("backward", "recompute"))].end_s.max()
         a = g[g.kind == "allreduce"]
         rows.append(dict(rank=d["rank"], iteration=d["iteration"], step=key[0],
-                         micro_step=key[1],
+                         micro_step=key[1], ddp_clock=d.get("clock", "timeline"),
                          ddp_compute_s=d["backward_compute_time_s"],
                          compute_s=bwd_end - fwd_end,
                          ddp_comm_s=d["backward_comm_time_s"],
