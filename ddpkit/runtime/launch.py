@@ -11,8 +11,6 @@ import os
 import socket
 import sys
 
-import cloudpickle
-
 from .. import shipping
 from ..devices import resolve_devices
 from ..rank.entry import capture_job_state
@@ -114,7 +112,7 @@ def check_picklable(fn, args, kwargs):
         named += [(f"keyword argument {k!r} ({type(v).__name__})", v) for k, v in kwargs.items()]
         for label, obj in named:
             try:
-                cloudpickle.dumps(obj)
+                shipping.dumps(obj)  # as the job is pickled (modules by name)
             except Exception as inner:
                 raise TypeError(
                     f"{label} cannot be sent to the ranks: {inner}. Each rank is a fresh process, so "
