@@ -303,7 +303,7 @@ class PeakProbe:
         self.peak = None
         self.boundary = None  # CPU: bytes live at a step boundary, once the exact windows are done
         self._exact = self.EXACT_WINDOWS
-        self._by_phase = {}
+        self._by_phase, self.reserved_peak = {}, 0
 
     def leave_out(self, nbytes):
         """Leave ``nbytes`` (allocated since the probe was made) out of every reading."""
@@ -340,6 +340,7 @@ class PeakProbe:
         yield
         self._by_phase[name] = max(self._by_phase.get(name, 0),
                                    torch.cuda.max_memory_allocated() - self.excluded)
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
 
     @contextlib.contextmanager
@@ -351,7 +352,7 @@ class PeakProbe:
         states = storages(optimizer_tensors(optimizer))
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-            self._by_phase = {}
+            self._by_phase, self.reserved_peak = {}, 0  # (the process probe's, by phase too)
             yield self
             self.peak = self._cuda_peak(model, optimizer, buckets, activations)
             return
