@@ -86,18 +86,19 @@ class Estimate:
 
         return predicted_peak(self.config, step, rank)
 
-    def fits(self, gpu):
+    def fits(self, gpu, allowance=None):
         """`plan.Fit` (truthy if it fits) of the step's peak on a GPU name ('T4', 'A100-80GB',
-        'H100': see `ddpkit.explore.plan.GPUS`) or a byte count, with this config's setting."""
+        'H100': see `ddpkit.explore.plan.GPUS`) or a byte count, with this config's setting and
+        the allocator's allowance (``allowance``: a fraction of your own, 0 for none)."""
         from .plan import fits
 
-        return fits(self.config, gpu)
+        return fits(self.config, gpu, allowance)
 
-    def largest_micro_batch(self, gpu):
+    def largest_micro_batch(self, gpu, allowance=None):
         """The largest micro-batch with which this config fits ``gpu`` (0: none)."""
         from .plan import largest_micro_batch
 
-        return largest_micro_batch(self.config, gpu)
+        return largest_micro_batch(self.config, gpu, allowance=allowance)
 
     def blocks_table(self):
         """The per-block figures as a pandas DataFrame, best savings per FLOP first."""

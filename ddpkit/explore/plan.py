@@ -44,34 +44,46 @@ from dataclasses import dataclass, field
 from ..engine.memory import TIE
 from ..engine import strategies
 from ..engine.policies import CheckpointSetting
-from .gpus import (ALLOCATOR_RESERVE, CUDA_CONTEXT, GPUS, budget_bytes, gpu_name,  # noqa: F401
-                   parse_bytes, usable_bytes)
+from .gpus import (ALLOCATOR_RESERVE, CUDA_CONTEXT, GPUS, Allowance, allocator_allowance,  # noqa: F401
+                   budget_bytes, gpu_name, is_card, parse_bytes, usable_bytes)
 from .units import fmt_bytes
 
 @dataclass
 class Fit:
     """Does a config fit? Truthy when it does. ``peak``: the predicted step peak per rank (a
-    `Peak`: bytes, phase, ledger); ``usable``: the bytes the card leaves a step."""
+    `Peak`: bytes, phase, ledger); ``usable``: the bytes the card leaves a step; ``allowance``:
+    the allocator's share budgeted beside the peak (`gpus.Allowance`; ``allowed``: its bytes)."""
     peak: object
     usable: int
     where: str
+    allowance: Allowance = Allowance(0.0, "")
 
     @property
     def predicted(self):
         return self.peak.bytes
 
+    @property
+    def allowed(self):
+        return self.allowance.of(self.predicted)
+
+    @property
+    def needed(self):
+        """The predicted peak and the allocator's allowance: what is compared with ``usable``."""
+        return self.predicted + self.allowed
+
     def __bool__(self):
-        return self.predicted <= self.usable
+        return self.needed <= self.usable
 
     @property
     def headroom(self):
-        return self.usable - self.predicted
+        return self.usable - self.needed
 
     def __repr__(self):
         verdict = "fits" if self else "does not fit"
+        extra = f" + {fmt_bytes(self.allowed)}" if self.allowed else ""
         return (f"Fit({verdict} {self.where}: the step peaks at {fmt_bytes(self.predicted)} per "
-                f"rank in the {self.peak.phase}, of {fmt_bytes(self.usable)} usable; not counted: "
-                f"fragmentation beyond the 5% reserve, NCCL's own buffers)")
+                f"rank in the {self.peak.phase}{extra} ({self.allowance}), of "
+                f"{fmt_bytes(self.usable)} usable; not counted: NCCL's own buffers)")
 
 
 @dataclass
@@ -104,7 +116,8 @@ class Choice:
 @dataclass
 class Plan:
     """``ddpkit.plan``'s answer. ``choice`` is None when nothing fits; then ``reason`` says
-    why and ``alternatives`` what would (each with its predicted peak)."""
+    why and ``alternatives`` what would (each with its predicted peak). ``budget``: the
+    highest step peak the memory given leaves once the allocator's allowance is set aside."""
     budget: int
     choice: Choice | None
     frontier: list = field(repr=False)
@@ -113,6 +126,10 @@ class Plan:
     reason: str = ""
     unchecked: object = field(default=None, repr=False)
     """The simulated peak without checkpointing (where the step peaks)."""
+    allowance: Allowance = Allowance(0.0, "")
+    """The allocator's share budgeted beside the peak (`gpus.allocator_allowance`)."""
+    memory: int = 0
+    """The memory given; ``budget`` is what it leaves the step's peak beside the allowance."""
 
     @property
     def fits(self):
@@ -143,11 +160,19 @@ class Plan:
         if self.choice is None:
             alts = "; ".join(f"{a['change']}: {gib(a['predicted'])}{' (fits)' if a['fits'] else ''}"
                              for a in self.alternatives)
-            return (f"Plan(nothing fits {gib(self.budget)}: {self.reason}; instead: "
-                    f"{alts or 'nothing tried'})")
+            return (f"Plan(nothing fits {gib(self.budget)} ({self.memory_note}): {self.reason}; "
+                    f"instead: {alts or 'nothing tried'})")
         c = self.choice
         return (f"Plan(checkpoint={c.checkpoint}, the step peaks at {gib(c.total)} per rank in "
-                f"the {c.peak.phase} of {gib(self.budget)}, FLOP ratio {c.flops_ratio:.3f})")
+                f"the {c.peak.phase} of {gib(self.budget)} ({self.memory_note}), FLOP ratio "
+                f"{c.flops_ratio:.3f})")
+
+    @property
+    def memory_note(self):
+        """The memory given and the allocator's allowance beside the budget, in words."""
+        if not self.allowance.fraction:
+            return str(self.allowance)
+        return f"{fmt_bytes(self.memory)} given, {self.allowance}"
 
 
 # ----------------------------------------------------------------------------- the figures
@@ -267,15 +292,18 @@ def _peak(cfg):
     return predicted_peak(cfg)
 
 
-def plan(cfg, memory_budget):
+def plan(cfg, memory_budget, allowance=None):
     """The per-block checkpoint choice whose step peak per rank (simulated: every live byte at
     the step's highest moment, DDP's buckets included) fits ``memory_budget`` (bytes, a string
-    like '12GiB', or a GPU name from `GPUS`) at the least recompute."""
+    like '12GiB', or a GPU name from `GPUS`) at the least recompute, beside the allocator's
+    allowance (`gpus.allocator_allowance`; ``allowance``: a fraction of your own, 0 for none)."""
     from ..config import TrainConfig
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")
-    budget = budget_bytes(memory_budget)
+    given = budget_bytes(memory_budget)
+    allowed = allocator_allowance(cfg, memory_budget, allowance)
+    budget = allowed.room(given)  # what the step's tensors may peak at
     fig = _figures(cfg)
     unchecked = _peak(cfg.replace(checkpoint=None))
     front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m)), fig, unchecked)
@@ -284,15 +312,16 @@ def plan(cfg, memory_budget):
     lowest = unchecked if not front[1:] else _peak(cfg.replace(checkpoint="full"))
     if min(lowest.bytes, unchecked.bytes) > budget:
         return Plan(budget, None, front, _alternatives(cfg, budget), cfg,
-                    _out_of_reach(unchecked, lowest), unchecked)
+                    _out_of_reach(unchecked, lowest), unchecked, allowed, given)
     for c in front:  # cheapest first; simulate those placed within the budget
         if c.placed <= budget:
             c.peak = _peak(cfg.replace(checkpoint=c.checkpoint))
             if c.peak.bytes <= budget:
-                return Plan(budget, c, front, [], cfg, "", unchecked)
+                return Plan(budget, c, front, [], cfg, "", unchecked, allowed, given)
     reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
               f"{fmt_bytes(min(c.total for c in front))})")
-    return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
+    return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked, allowed,
+                given)
 
 
 def _out_of_reach(unchecked, lowest):
@@ -347,22 +376,23 @@ def _alternatives(cfg, budget):
     return out
 
 
-def fits(cfg, gpu):
+def fits(cfg, gpu, allowance=None):
     """`Fit` of ``cfg`` as it is (its own checkpoint setting) on a GPU name or a byte count:
     the step's simulated peak per rank (the higher of the first step and the steady state,
-    on the heaviest rank) against what the card leaves a step."""
-    usable = usable_bytes(gpu)
-    where = gpu_name(gpu) if isinstance(gpu, str) and not gpu[:1].isdigit() else \
-        fmt_bytes(usable)
-    return Fit(_peak(cfg), usable, where)
+    on the heaviest rank), with the allocator's allowance (`gpus.allocator_allowance`;
+    ``allowance``: a fraction of your own, 0 for none), against what the card leaves a step."""
+    usable, allowed = usable_bytes(gpu), allocator_allowance(cfg, gpu, allowance)
+    where = gpu_name(gpu) if is_card(gpu) else fmt_bytes(usable)
+    return Fit(_peak(cfg), usable, where, allowed)
 
 
-def largest_micro_batch(cfg, gpu, limit=4096):
-    """The largest micro-batch with which ``cfg`` (its checkpoint setting) fits ``gpu``; 0 if
-    none does. Each phase's peak grows about linearly with the micro-batch (the optimizer
-    step's not at all): two simulated steps give a first guess, and a search by simulated
-    steps around it gives the answer (the answer fits; one more sample does not)."""
-    usable = usable_bytes(gpu)
+def largest_micro_batch(cfg, gpu, limit=4096, allowance=None):
+    """The largest micro-batch with which ``cfg`` (its checkpoint setting) fits ``gpu`` (as
+    `fits` says, the allocator's allowance included); 0 if none does. Each phase's peak grows
+    about linearly with the micro-batch (the optimizer step's not at all): two simulated steps
+    give a first guess, and a search by simulated steps around it gives the answer (the answer
+    fits; one more sample does not)."""
+    usable = _room(cfg, gpu, allowance)
     peaks = {}
 
     def peak(mb):
@@ -400,3 +430,8 @@ def largest_micro_batch(cfg, gpu, limit=4096):
                 good, guess = guess, guess + 1
                 continue
     return good
+
+
+def _room(cfg, gpu, allowance):
+    """The highest step peak ``gpu`` leaves beside the allocator's allowance."""
+    return allocator_allowance(cfg, gpu, allowance).room(usable_bytes(gpu))
