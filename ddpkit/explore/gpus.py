@@ -102,17 +102,17 @@ def budget_bytes(memory_budget):
 
 
 MMAP_VAR, MMAP_FIXED = "MALLOC_MMAP_THRESHOLD_", 131072
-CPU_MEASURED = {"dynamic": 1.28, "fixed": 1.041}
+CPU_MEASURED = {"dynamic": 1.28, "fixed": 1.05}
 """A CPU rank's ``process_peak_bytes / peak_bytes`` at real sizes, the highest measured: the rank's
 resident high-water mark over a step (its own memory, less what it held before the model was
 built) over its tensors' peak, steps 2 on, both ranks, GPT-2 small (124M, seq 128, AdamW, DDP);
 ``bench/results.md``, sections ``bench.malloc`` and ``bench.peak`` (2026-12-07). "dynamic":
 glibc's default (after a large block is freed its mmap threshold rises, and later large blocks
 come from the heap, which keeps them resident): 1.18-1.28x. "fixed": ``MALLOC_MMAP_THRESHOLD_``
-of at most 131072 in the kernel's environment, which ddpkit's ranks start with: 1.033-1.041x.
+of at most 131072 in the kernel's environment, which ddpkit's ranks start with: 1.033-1.05x.
 At teaching sizes (a few MiB) a rank holds several MiB besides its tensors (the profiler,
 gloo, Python): a fraction of the peak does not describe that, and is not meant to."""
-CPU_ALLOWANCE = {k: math.ceil((v - 1) * 20) / 20 for k, v in CPU_MEASURED.items()}
+CPU_ALLOWANCE = {k: math.ceil(round((v - 1) * 20, 6)) / 20 for k, v in CPU_MEASURED.items()}
 """The allowance budgeted for it: the measured share rounded up to 5% (30% and 5%)."""
 
 
@@ -184,7 +184,9 @@ def _device(cfg):
 
 
 def _fixed_threshold():
-    """The kernel's ``MALLOC_MMAP_THRESHOLD_`` when it fixes glibc's threshold at 128 KiB or
-    less (ranks start with the kernel's environment), else None."""
-    raw = os.environ.get(MMAP_VAR, "").strip()
-    return int(raw) if raw.isdigit() and int(raw) <= MMAP_FIXED else None
+    """The threshold CPU ranks started now fix glibc's at, when it is 128 KiB or less (the
+    measured case; `ddpkit.rank.heap`), else None."""
+    from ..rank.heap import in_force
+
+    fixed = in_force()
+    return fixed if fixed is not None and fixed <= MMAP_FIXED else None

@@ -13,6 +13,7 @@ import sys
 
 from .. import shipping
 from ..devices import resolve_devices
+from ..rank import heap
 from ..rank.entry import capture_job_state
 from .group import HOST, RankGroup, interrupts_held
 from .handle import RunHandle
@@ -146,6 +147,9 @@ def make_job(fn, args, kwargs, seed, stall_timeout_s):
                          f"or None to turn the watchdog off")
     if not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
+    problem = heap.threshold_problem()  # read by each CPU rank at its start
+    if problem:
+        raise ValueError(problem)
     payload = check_picklable(fn, args, kwargs)
     # the collective timeout travels with each job: a pool's ranks serve jobs of any
     # stall_timeout_s, and torch's own timeout must never fire before ddpkit's watchdog. So do
