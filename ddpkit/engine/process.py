@@ -15,8 +15,8 @@ the caching allocator keeps whole segments (``max_memory_reserved`` vs ``max_mem
 
 Both leave out what ``peak_bytes`` leaves out: what the process held when the probe was made,
 before the model was built (on CPU its anonymous resident memory: the interpreter, torch's
-state; on CUDA what was reserved), and, on CPU, the dataset. ``process_peak_bytes - peak_bytes`` is then the allocator's share (and what
-lives outside tensors: gloo's buffers, Python objects).
+state; on CUDA what was reserved), and, on CPU, the dataset. ``process_peak_bytes - peak_bytes``
+is then the allocator's share (and what lives outside tensors: gloo's buffers, Python objects).
 
 The probe hands the heap's free pages back to the system first (`release_freed`: glibc's
 ``malloc_trim``), as a pool's CUDA ranks empty their cache after each job: what an earlier job on

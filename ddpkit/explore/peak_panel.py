@@ -115,8 +115,8 @@ class PeakPanel:
         return True
 
     def _draw(self, pairs):
-        bars = [(f"r{rec['rank']} measured", {**rec["peak_ledger"], ALLOCATOR: allocator_share(rec)})
-                for rec, _ in pairs]
+        bars = [(f"r{rec['rank']} measured",
+                 {**rec["peak_ledger"], ALLOCATOR: allocator_share(rec)}) for rec, _ in pairs]
         done = [(rec, p) for rec, p in pairs if p is not None and not isinstance(p, Exception)]
         allowance = _allowance(self.cfg)
         if done:
@@ -162,7 +162,8 @@ def _table(pairs, allowance=None):
             err = f"{100 * (p.bytes - rec['peak_bytes']) / rec['peak_bytes']:+.2f}%"
         process = "" if "process_peak_bytes" not in rec else (
             f"{fmt_bytes(rec['process_peak_bytes'])} (allocator "
-            f"{fmt_bytes(allocator_share(rec))}, {rec['process_peak_bytes'] / rec['peak_bytes']:.2f}x)")
+            f"{fmt_bytes(allocator_share(rec))}, "
+            f"{rec['process_peak_bytes'] / rec['peak_bytes']:.2f}x)")
         rows.append(f"<tr><td>rank {rec['rank']}, step {rec['step']}</td><td>{measured}</td>"
                     f"<td>{predicted}</td><td>{err}</td><td>{process}</td></tr>")
     allowed = html.escape(str(allowance)) if allowance else "not known"

@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 from ..engine.memory import TIE
 from ..engine import strategies
 from ..engine.policies import CheckpointSetting
-from .gpus import (ALLOCATOR_RESERVE, CUDA_CONTEXT, GPUS, Allowance, allocator_allowance,  # noqa: F401
-                   budget_bytes, gpu_name, is_card, parse_bytes, usable_bytes)
+from .gpus import (ALLOCATOR_RESERVE, CUDA_CONTEXT, GPUS, Allowance,  # noqa: F401
+                   allocator_allowance, budget_bytes, gpu_name, is_card, parse_bytes,
+                   usable_bytes)
 from .units import fmt_bytes
 
 @dataclass
