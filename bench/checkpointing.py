@@ -9,7 +9,7 @@ from pathlib import Path
 
 import ddpkit
 from bench._common import machine, table
-from ddpkit.explore.api import recompute_flops_ratio
+from ddpkit.runs.sweep import recompute_flops_ratio
 
 SETTINGS = [None, 2, 4, 8, "full"]
 OWN = [None, 2, "full", [True, False] * 2]  # your-model rows: 4 blocks each
@@ -37,7 +37,7 @@ def _estimate_seconds(cfg):
     sliders call it."""
     import importlib
 
-    importlib.import_module("ddpkit.explore.trace")._TRACES.clear()  # the module, not the function
+    importlib.import_module("ddpkit.predict.trace")._TRACES.clear()  # the module, not the function
     t0 = time.perf_counter()
     ddpkit.estimate(cfg)
     return time.perf_counter() - t0

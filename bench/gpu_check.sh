@@ -131,7 +131,7 @@ _row() {
 stage env "$L_ENV" "GPU|backend|SDPA" "$PY" -c '
 import torch, ddpkit
 from ddpkit.devices import cuda_gpus, resolve_devices
-from ddpkit.explore import attention
+from ddpkit.predict import attention
 nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else "not built in"
 cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN", cudnn, "NCCL", nccl)
@@ -153,6 +153,7 @@ join
 # timings last, alone on the machine
 stage launch "$L_LAUNCH" "target" "$PY" -m bench.launch --repeat 2 --worlds 2 --device cuda
 stage overhead "$L_OVERHEAD" "target" "$PY" -m bench.overhead --rounds 1 --steps 8 --device cuda
+stage step-time "$(scale 240)" "mean absolute|calibrated" "$PY" -m bench.gpu_step_time
 
 echo
 echo "### ddpkit GPU check: $GPUS GPU(s), $MODE"

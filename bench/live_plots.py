@@ -78,7 +78,7 @@ def kernel_cost(updates=50):
     steps. No browser is needed: the cost measured is building and sending the messages."""
     import time
 
-    from ddpkit.explore.plots import LivePlots
+    from ddpkit.lab.plots import LivePlots
 
     def records(step):
         return [dict(rank=r, step=step, loss=1 / (step + 1), step_time_s=0.004, accum_steps=1,

@@ -28,10 +28,10 @@ import time
 import ddpkit
 from bench._common import machine, table
 from bench.peak import gpt2_small
-from ddpkit.rank import heap
+from ddpkit import devices
 
-VAR = heap.ENV  # DDPKIT_MMAP_THRESHOLD: what CPU ranks fix glibc's threshold at
-FIXED = str(heap.DEFAULT)
+VAR = devices.MMAP_ENV  # DDPKIT_MMAP_THRESHOLD: what CPU ranks fix glibc's threshold at
+FIXED = str(devices.MMAP_DEFAULT)
 PEAK_EVERY = 3  # probed: steps 0, 1, 4, 7, ...; timed: 2, 3, 5, 6, 8, ...
 
 
@@ -68,7 +68,7 @@ def timed_train(ctx, cfg):
 
 def _run(cfg, fixed):
     old = os.environ.pop(VAR, None)
-    os.environ[VAR] = FIXED if fixed else heap.DYNAMIC
+    os.environ[VAR] = FIXED if fixed else devices.MMAP_DYNAMIC
     try:
         res = ddpkit.launch(timed_train, cfg, world_size=cfg.world_size, backend=cfg.backend,
                             device=cfg.device)

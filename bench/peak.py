@@ -10,7 +10,7 @@ The process: each record's ``process_peak_bytes`` (the rank's resident high-wate
 step, its own memory less what it held before the model was built: `ddpkit.engine.process`), at
 step 2 (at steps 0 and 1 blocks made in the step, Adam's moments and DDP's rebuilt buckets, get
 their pages only as they are written): the highest, and its ratio to the tensors' peak of the
-same record, over both ranks. Its figures are what `ddpkit.explore.gpus.CPU_MEASURED` (the
+same record, over both ranks. Its figures are what `ddpkit.predict.gpus.CPU_MEASURED` (the
 allowance `fits` and `plan` budget) rests on. ``--mmap-threshold dynamic|N`` sets
 ``DDPKIT_MMAP_THRESHOLD`` for the ranks (`ddpkit.rank.heap`: glibc's mmap threshold fixed at
 128 KiB by default, or at N, or left to glibc's own raising).
@@ -31,7 +31,7 @@ import time
 
 import ddpkit
 from bench._common import machine, table
-from ddpkit.rank import heap
+from ddpkit import devices
 
 MIB = 2**20
 FIXED = None  # the threshold the ranks run with (bytes), None: glibc's dynamic one
@@ -117,7 +117,7 @@ def watched_train(ctx, cfg):
 
     ctx.log = with_rss
     start[0] = _status("VmRSS")
-    return train_rank(ctx, cfg)
+    return train_rank(ctx, cfg.rank_plan())
 
 
 # ----------------------------------------------------------------------------- the table
@@ -167,8 +167,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     device = argv[argv.index("--device") + 1] if "--device" in argv else "cpu"
     if "--mmap-threshold" in argv:  # before any rank starts (rank/heap.py)
-        os.environ[heap.ENV] = argv[argv.index("--mmap-threshold") + 1]
-    FIXED = heap.in_force()
+        os.environ[devices.MMAP_ENV] = argv[argv.index("--mmap-threshold") + 1]
+    FIXED = devices.mmap_threshold()
     load = os.getloadavg()
     out, ok, ratios = [], True, []
     chosen = rows(quick="--quick" in argv, device=device)
@@ -177,7 +177,8 @@ def main(argv=None):
         out.append(row)
         ok &= good
         ratios += grown
-    flag = f" --mmap-threshold {os.environ[heap.ENV]}" if heap.ENV in os.environ else ""
+    env = devices.MMAP_ENV
+    flag = f" --mmap-threshold {os.environ[env]}" if env in os.environ else ""
     flag += " --quick" if "--quick" in argv else ""
     text = (f"### The step's peak at real sizes (`python -m bench.peak{flag}`)\n\n{machine()}; "
             f"load average at the start {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; 2 "

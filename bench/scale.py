@@ -43,7 +43,7 @@ LLAMA_1B = llama(2048, 8192, 16, 32, 8)
 
 
 def _fresh():
-    from ddpkit.explore import peak, trace
+    from ddpkit.predict import peak, trace
 
     for memo in (trace._TRACES, trace._BATCHES, peak._MEMO):
         memo.clear()
@@ -72,7 +72,7 @@ def timings():
 
 
 def equal_traces():
-    from ddpkit.explore.trace import Traced
+    from ddpkit.predict.trace import Traced
 
     rows = []
     for name, factory in (("GPT-2 small", gpt2_small), ("Llama 1B shapes", LLAMA_1B)):
@@ -81,7 +81,7 @@ def equal_traces():
         whole, cut = Traced(cfg), Traced(cfg, keep=3)
         n = cfg.n_blocks
         for value in (None, 2, "full", tuple(i % 3 == 0 for i in range(n))):
-            s = cfg.setting(value)
+            s = cfg.checkpoint.with_value(value)
             b = (whole.forward_bytes(s), cut.forward_bytes(s))
             f = (whole.step_flops(s), cut.step_flops(s))
             label = value if not isinstance(value, tuple) else "every 3rd block"

@@ -1,5 +1,5 @@
 """How often a page that asks for every widget's state while a cell runs is handed a half-made
-figure: a plain plotly ``FigureWidget`` against ddpkit's (`explore.fit.figure`, its comm opened
+figure: a plain plotly ``FigureWidget`` against ddpkit's (`lab.fit.figure`, its comm opened
 with the whole figure).
 
 JupyterLab 4.6 sends a widget's comm messages on a subshell of the kernel (ipykernel 7), and its
@@ -30,7 +30,7 @@ from bench._common import machine
 CODE = """
 import time
 import plotly.graph_objects as go
-from ddpkit.explore import fit
+from ddpkit.lab import fit
 for i in range({n}):
     a = go.FigureWidget(layout=dict(title=dict(text="plain %d" % i)))
     a._config = {{"responsive": True}}  # what ddpkit did before: set after the comm opened
@@ -40,7 +40,7 @@ for i in range({n}):
 """
 # a figure's kind, by the class anywidget names it by in its state
 KINDS = {"plotly.graph_objs._figurewidget.FigureWidget": "plain FigureWidget",
-         "ddpkit.explore.fit.HeldFigureWidget": "ddpkit figure"}
+         "ddpkit.lab.fit.HeldFigureWidget": "ddpkit figure"}
 
 
 def main(argv=None):
@@ -52,7 +52,7 @@ def main(argv=None):
     try:
         kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
         sub = kc.control_channel.get_msg(timeout=30)["content"]["subshell_id"]
-        kc.execute("from ddpkit.explore import fit; import plotly.graph_objects", silent=True)
+        kc.execute("from ddpkit.lab import fit; import plotly.graph_objects", silent=True)
         kc.get_shell_msg(timeout=120)
         control = uuid.uuid4().hex
 

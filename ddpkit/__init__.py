@@ -1,10 +1,13 @@
 """ddpkit: explore DDP, activation checkpointing, gradient accumulation and precision, live.
 
 The folders are the architecture, and imports point one way (tests/test_layout.py checks it):
-``errors``, ``devices``, ``shipping`` (shared by kernel and ranks) ← ``engine/`` (the training
-engine) and ``rank/`` (inside a rank process) ← ``config`` (built on the engine's vocabulary) and
-``runtime/`` (the kernel side of a run) ← ``pitfalls/`` (the catalogue and the doctor) ←
-``explore/`` (train, sweep, estimate, plan, the Lab) ← ``cli`` and this file.
+``errors``, ``devices``, ``shipping`` (shared by kernel and ranks) ← ``spec/`` (what a run is:
+models, stacks, the checkpoint setting, strategy names, the `RankPlan`) ← ``engine/`` (trains a
+`RankPlan` on a rank) and ``rank/`` (inside a rank process) ← ``config`` (checked in spec's
+words; makes the `RankPlan`, imports no engine) and ``runtime/`` (the kernel side of a run) ←
+``pitfalls/`` (the catalogue and the doctor) ←
+``predict/`` (estimate, the step's peak, plan: nothing runs) ← ``runs/`` (train, sweep, their
+results) ← ``lab/`` (the Lab: widgets and live figures) ← ``cli`` and this file.
 
 Light at import: rank processes import this package too, so the notebook-only parts
 (widgets, plots) and the pitfall runners load on first use.
@@ -14,18 +17,22 @@ from .runtime.handle import RunHandle, RunResult
 from .runtime.launch import launch
 from .runtime.pool import Pool, shutdown
 from .config import TrainConfig
-from .explore.estimate import Estimate, estimate
+from .predict.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import
-from .explore.plan import fits, largest_micro_batch, plan
-from .engine.policies import CheckpointSetting
+from .predict.fits import fits, largest_micro_batch
+from .predict.planner import plan
+from .predict.calibrate import calibrate
+from .spec.setting import CheckpointSetting
 from .rank.context import Context
-from .explore.api import TrainResult, sweep, train
+from .runs.result import TrainResult
+from .runs.sweep import sweep
+from .runs.train import train
 
 __version__ = "0.1.0"
 
 # loaded on first use: name -> module (the attribute of the same name, or the module itself)
-_LAZY = {"Lab": ".explore.widgets", "LivePlots": ".explore.plots", "pitfalls": ".pitfalls",
-         "tradeoff": ".explore.demo", "comm_figure": ".explore.zero"}
+_LAZY = {"Lab": ".lab.lab", "LivePlots": ".lab.plots", "pitfalls": ".pitfalls",
+         "tradeoff": ".runs.demo", "comm_figure": ".runs.figures"}
 
 
 def __getattr__(name):
@@ -36,7 +43,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError",
+__all__ = ["CheckpointSetting", "calibrate", "Context", "Estimate", "Finding", "Pool", "RankError",
            "RankStalled", "RunHandle", "RunResult", "TraceError", "TrainConfig", "TrainResult",
            "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan", "shutdown",
            "sweep", "train"]

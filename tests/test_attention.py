@@ -1,4 +1,4 @@
-"""What each SDPA kernel saves for backward (`ddpkit.explore.attention`), checked on CPU: the
+"""What each SDPA kernel saves for backward (`ddpkit.predict.attention`), checked on CPU: the
 CUDA kernels' rows against their aten ops run on meta tensors (the meta functions of
 torch/_meta_registrations.py give the shapes, the ops' autograd formulas what is saved); the
 CPU row against a real CPU run; the trace's stand-in against torch's own SDPA; and the estimate
@@ -12,9 +12,9 @@ from torch.nn.attention import SDPBackend
 
 import ddpkit
 from ddpkit import devices
-from ddpkit.engine.policies import CheckpointSetting
-from ddpkit.explore import attention as A
-from ddpkit.explore.estimate import activation_bytes, estimate, trace_activations
+from ddpkit.spec.setting import CheckpointSetting
+from ddpkit.predict import attention as A
+from ddpkit.predict.estimate import activation_bytes, estimate, trace_activations
 
 SM80, H200 = A.CudaTarget((8, 0)), A.CudaTarget((9, 0), cudnn=91600, cuda="12.8")
 
@@ -181,7 +181,7 @@ def gpus(monkeypatch):
 @pytest.mark.parametrize("seq_len", [32, 40])
 def test_a_cuda_runs_estimate_counts_the_efficient_kernels_extra_bytes(gpus, seq_len):
     cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=32, seq_len=seq_len, micro_batch=3)
-    setting = lambda s: CheckpointSetting.of(s, cfg.n_blocks)  # noqa: E731
+    setting = cfg.checkpoint.with_value
     on_cpu = {s: activation_bytes(cfg, setting(s)) for s in (None, 2, "full")}
     gpus(1)  # 2 ranks share one GPU (the notebook host): CUDA, efficient kernel in fp32
     B, H = cfg.micro_batch, cfg.n_heads
@@ -200,5 +200,5 @@ def test_where_cuda_runs_math_the_estimate_traces(gpus):
     assert (on_cpu.method, on_gpu.method) == ("formula", "traced")
     assert on_gpu.activations > on_cpu.activations  # math keeps the attention matrix
     with pytest.raises(ValueError, match="math kernel.*estimate\\(cfg\\) traces"):
-        from ddpkit.explore.estimate import activation_parts
+        from ddpkit.predict.estimate import activation_parts
         activation_parts(cfg)

@@ -3,7 +3,7 @@ page's side is tests/browser/test_lab_browser.py), the kernel always holds a liv
 figure's comm opens with the whole figure in its opening message (fit.py says why)."""
 import plotly.graph_objects as go
 
-from ddpkit.explore import fit
+from ddpkit.lab import fit
 
 
 def test_a_figure_is_responsive_and_the_kernel_holds_one_live_fitter():

@@ -7,9 +7,10 @@ import pytest
 
 import ddpkit
 import fixtures_module as fm
-from ddpkit.engine.policies import CheckpointSetting
-from ddpkit.explore.estimate import trace_activations, traced_flops
-from ddpkit.explore.plan import GPUS, CUDA_CONTEXT, parse_bytes, usable_bytes
+from ddpkit.engine.policies import install
+from ddpkit.spec.setting import CheckpointSetting
+from ddpkit.predict.estimate import trace_activations, traced_flops
+from ddpkit.predict.gpus import GPUS, CUDA_CONTEXT, parse_bytes, usable_bytes
 
 RUN = dict(world_size=2, micro_batch=4, seq_len=32, optimizer="adamw", steps=3, peak_every=1,
            backend="gloo", device="cpu")
@@ -28,12 +29,12 @@ def truth(cfg, setting):
 
 
 def test_the_plan_is_the_cheapest_frontier_choice_whose_peak_fits():
-    from ddpkit.explore.plan import _choice, _figures
+    from ddpkit.predict.plan import _choice, _figures
 
     for cfg in configs():
         fig = _figures(cfg)
         for mask in itertools.product((False, True), repeat=cfg.n_blocks):
-            setting = CheckpointSetting.from_mask(mask)
+            setting = CheckpointSetting.from_mask(mask, cfg.checkpoint.stacks)
             c = _choice(fig, setting)  # the planner's figures, from per-block sums...
             assert (c.activations, c.flops) == truth(cfg, setting)  # ...equal the traced ones
         front = ddpkit.plan(cfg, 10**12).frontier
@@ -70,13 +71,14 @@ def test_the_planned_run_measures_what_was_predicted():
     # FLOPs of the real model (real tensors, one process) against the predicted ratio
     from ddpkit.engine.data import first_batch, make_dataset
     from ddpkit.engine.probes import count_flops
-    from ddpkit.engine.spec import build_model, compute_loss
+    from ddpkit.spec.model import build_model, compute_loss
 
-    model = build_model(cfg)[0]
-    batch = first_batch(cfg, make_dataset(cfg))
+    plan = cfg.rank_plan()
+    model = build_model(plan)[0]
+    batch = first_batch(plan, make_dataset(plan))
 
     def flops(value):
-        cfg.checkpoint_policy(CheckpointSetting.of(value, cfg.n_blocks)).apply(model, cfg.blocks_path)
+        install(plan, model, cfg.checkpoint.with_value(value))
         return count_flops(lambda: compute_loss(model, batch).backward())
 
     assert flops(p.checkpoint) / flops(None) == pytest.approx(p.choice.flops_ratio, rel=1e-9)
@@ -105,7 +107,7 @@ def test_fits_names_the_gpu_and_its_overhead():
     assert "T4" in repr(fit) and "not counted" in repr(fit)
     assert not est.fits(est.total // 2)
     big = est.largest_micro_batch(64 * 2**20)
-    assert big >= 1 and est.config.replace(micro_batch=big).checkpointing is not None
+    assert big >= 1 and est.config.replace(micro_batch=big).checkpoint.value is not None
     assert ddpkit.estimate(cfg.replace(micro_batch=big)).fits(64 * 2**20)
     assert not ddpkit.estimate(cfg.replace(micro_batch=big + 1)).fits(64 * 2**20)
 
@@ -122,7 +124,7 @@ def test_bad_budgets_name_the_fix(value, message):
 
 def test_budget_strings_and_unknown_gpus():
     assert parse_bytes("12GiB") == 12 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
-    with pytest.raises(ValueError, match=r"gpu='Z80' is not a card ddpkit knows; pass one of T4, .* \(ddpkit.explore.plan.GPUS\)"):
+    with pytest.raises(ValueError, match=r"gpu='Z80' is not a card ddpkit knows; pass one of T4, .* \(ddpkit.predict.gpus.GPUS\)"):
         ddpkit.estimate(ddpkit.TrainConfig()).fits("Z80")
 
 
@@ -133,7 +135,7 @@ def test_the_largest_micro_batch_is_the_edge_of_any_growing_peak(monkeypatch):
     import random
     import types
 
-    from ddpkit.explore import plan
+    from ddpkit.predict import fits
 
     rnd = random.Random(1)
     asked = []
@@ -155,14 +157,14 @@ def test_the_largest_micro_batch_is_the_edge_of_any_growing_peak(monkeypatch):
             return types.SimpleNamespace(bytes=max(by.values()), by_phase=by)
 
         usable = rnd.randint(0, 400_000)
-        monkeypatch.setattr(plan, "_peak", fake_peak)
-        monkeypatch.setattr(plan, "usable_bytes", lambda gpu, usable=usable: usable)
+        monkeypatch.setattr(fits, "predicted_peak", fake_peak)
+        monkeypatch.setattr(fits, "usable_bytes", lambda gpu, usable=usable: usable)
         cfg = types.SimpleNamespace(replace=lambda micro_batch: types.SimpleNamespace(micro_batch=micro_batch))
         want = 0
         for mb in range(1, 4097):
             if max(phases(mb).values()) > usable:
                 break
             want = mb
-        assert plan.largest_micro_batch(cfg, "any") == want, (trial, kind, usable)
+        assert fits.largest_micro_batch(cfg, "any") == want, (trial, kind, usable)
         asked.append(len(seen))
     assert max(asked) <= 16 and sum(asked) / len(asked) < 8, (max(asked), sum(asked) / len(asked))

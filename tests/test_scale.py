@@ -5,10 +5,10 @@ import itertools
 import pytest
 
 import ddpkit
-from ddpkit.engine.policies import CheckpointSetting
-from ddpkit.explore import scale
-from ddpkit.explore.peak import simulate
-from ddpkit.explore.trace import traced
+from ddpkit.spec.setting import CheckpointSetting
+from ddpkit.predict import scale
+from ddpkit.predict.simulate import simulate
+from ddpkit.predict.trace import traced
 
 CPU = dict(backend="gloo", device="cpu")
 

@@ -6,9 +6,9 @@ import torch
 
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
-from ddpkit.engine.policies import CheckpointSetting
-from ddpkit.explore.estimate import activation_bytes, estimate, param_count
-from ddpkit.engine.models import build_model
+from ddpkit.spec.setting import CheckpointSetting
+from ddpkit.predict.estimate import activation_bytes, estimate, param_count
+from ddpkit.spec.model import build_model
 
 # pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
 CPU = dict(backend="gloo", device="cpu")
@@ -40,7 +40,7 @@ def test_ddp_accumulation_and_checkpointing_match_one_big_batch(pool, reference,
     cfg = ddpkit.TrainConfig(**TINY, checkpoint=checkpoint, use_reentrant=reentrant)
     res = ddpkit.train(cfg, pool=pool)
     assert max_diff(res.state_dict, reference) <= 1e-5
-    assert max_diff(res.state_dict, build_model(cfg).state_dict()) > 1e-3  # it did train
+    assert max_diff(res.state_dict, build_model(cfg.rank_plan())[0].state_dict()) > 1e-3  # it did train
 
 
 @pytest.mark.parametrize("switches", [dict(static_graph=True), dict(find_unused_parameters=True),
@@ -57,7 +57,7 @@ def test_ddp_switches_pass_through_and_keep_the_maths(pool, reference, switches)
 
 def test_state_dict_is_rank_zero_weights_without_module_prefix(pool):
     res = ddpkit.train(ddpkit.TrainConfig(**TINY), pool=pool)
-    assert set(res.state_dict) == set(build_model(res.config).state_dict())
+    assert set(res.state_dict) == set(build_model(res.config.rank_plan())[0].state_dict())
     assert not any(k.startswith("module.") for k in res.state_dict)
     assert all(v.device.type == "cpu" for v in res.state_dict.values())
 
@@ -95,7 +95,7 @@ def test_activation_bytes_fall_with_segments_as_estimated(pool, model):
         acts = {m["activation_bytes"] for m in res.metrics}
         assert len(acts) == 1  # the same on every rank and step
         measured[setting] = acts.pop()
-        predicted = activation_bytes(base, CheckpointSetting.of(setting, base.n_blocks))
+        predicted = activation_bytes(base, base.checkpoint.with_value(setting))
         assert abs(measured[setting] - predicted) <= 0.10 * predicted, (setting, measured, predicted)
     assert measured[None] > measured[2] > measured[4] > measured["full"]
     # the structure: s=2 keeps 1 boundary + 2 blocks; None keeps 4 blocks -> the step is 2 blocks
@@ -149,13 +149,14 @@ def test_bf16_autocast_runs_on_cpu(pool):
 
 def test_sweep_gives_one_row_per_combination(pool):
     import pandas as pd
-    from ddpkit.explore.api import SWEEP_COLUMNS
+    from ddpkit.runs.sweep import SWEEP_COLUMNS
 
     table = ddpkit.sweep(ddpkit.TrainConfig(**{**TINY, "steps": 3}), pool=pool,
                          checkpoint=[None, 2], accum_steps=[1, 2], progress=False)
     assert isinstance(table, pd.DataFrame)
     assert list(table.columns) == ["checkpoint", "accum_steps", *SWEEP_COLUMNS]
-    assert list(zip(table.checkpoint, table.accum_steps)) == [("none", 1), ("none", 2), (2, 1), (2, 2)]
+    assert list(zip(table.checkpoint, table.accum_steps)) == [("none", 1), ("none", 2), ("2", 1),
+                                                              ("2", 2)]  # str(setting)
     assert (table.activation_bytes == table.predicted_activation_bytes).all()
     assert table.recompute_flops_ratio[0] == 1.0 and table.recompute_flops_ratio[2] > 1.0
     for row in table.itertuples():  # rank 0's steps after the first, as the columns say
@@ -192,7 +193,7 @@ def test_sweep_progress_shows_only_the_current_settings_loss(pool, capfd):
 
 def test_tradeoff_marks_the_pareto_frontier():
     import pandas as pd
-    from ddpkit.explore.demo import pareto
+    from ddpkit.runs.demo import pareto
 
     # cost, memory: (1.0, 10) (1.1, 6) (1.2, 8: beaten by 1.1) (1.3, 3)
     assert pareto([1.0, 1.1, 1.2, 1.3], [10, 6, 8, 3]) == [0, 1, 3]
@@ -238,10 +239,10 @@ def test_train_refuses_a_pool_of_another_size(pool):
 
 def test_estimate_stays_the_function_after_its_module_is_imported():
     import importlib
-    importlib.import_module("ddpkit.explore.estimate")
-    cfg = ddpkit.TrainConfig(**TINY)
-    assert ddpkit.estimate(cfg) == ddpkit.estimate(cfg)
-    assert ddpkit.train.__module__ == "ddpkit.explore.api" and callable(ddpkit.train)
+    module = importlib.import_module("ddpkit.predict.estimate")
+    assert ddpkit.estimate is module.estimate  # the function, not its module
+    assert isinstance(ddpkit.estimate(ddpkit.TrainConfig(**TINY)), ddpkit.Estimate)
+    assert ddpkit.train.__module__ == "ddpkit.runs.train" and callable(ddpkit.train)
 
 
 def test_train_runs_doctor_first_and_keeps_its_findings(pool):
@@ -258,7 +259,7 @@ def test_doctor_leaves_the_kernel_rng_alone():
     torch.manual_seed(1234)
     expected = torch.rand(1)
     torch.manual_seed(1234)
-    from ddpkit.explore.api import check_config
+    from ddpkit.runs.train import check_config
     check_config(ddpkit.TrainConfig(**TINY))
     assert torch.rand(1) == expected
 
@@ -273,7 +274,7 @@ def test_the_recompute_ratio_follows_torchs_early_stop_switch():
     """The traced FLOPs are memoised per setting, yet torch's early-stop switch (a global) changes
     what a recompute runs: with it off, non-reentrant checkpointing recomputes all, as reentrant
     does (notebook 02 shows it)."""
-    from ddpkit.explore.api import recompute_flops_ratio
+    from ddpkit.runs.sweep import recompute_flops_ratio
 
     full = ddpkit.TrainConfig(model="mlp", n_blocks=3, width=32, micro_batch=4,
                               checkpoint="full", backend="gloo", device="cpu")

@@ -3,7 +3,7 @@
 "Will it fit?" is answered by the highest moment of one optimizer step on one rank: every live
 tensor byte at that moment of forward, backward (with any recompute) and the optimizer step,
 DDP's gradient buckets included. A `Peak` says it the same way for a measurement (this module,
-on a rank) and a prediction (`ddpkit.explore.peak`, a simulated step under FakeTensorMode):
+on a rank) and a prediction (`ddpkit.predict.simulate`, a simulated step under FakeTensorMode):
 ``bytes``, ``phase`` and ``ledger`` (the bytes of each `KINDS` at that moment, adding up to
 ``bytes``), and ``by_phase`` (the highest moment of each phase).
 
@@ -90,7 +90,7 @@ class Peak:
 
 def _fmt(n):
     """Bytes in the largest unit that keeps them >= 1 (the engine's own: it imports nothing
-    from explore/)."""
+    from predict/)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}"

@@ -12,7 +12,8 @@ sizes (``bench/results.md``: ``bench.peak``, ``bench.malloc``), a rank's residen
 ``DDPKIT_MMAP_THRESHOLD`` bytes, 131072 when that is unset, so that ``fits`` and ``plan`` can
 budget a small, measured allowance for the allocator; ``DDPKIT_MMAP_THRESHOLD=dynamic`` leaves
 glibc's default alone. A ``MALLOC_MMAP_THRESHOLD_`` of the user's own is glibc's to apply, and
-left alone too. The kernel reads the same (`in_force`) for the allowance; both variables are
+left alone too. The kernel reads the same (`ddpkit.devices.mmap_threshold`) for the allowance,
+and checks the variable before a launch (`devices.mmap_threshold_problem`); both variables are
 read at a rank's start, so warm ranks started under other values are replaced
 (`ddpkit.runtime.start.STARTUP_PREFIXES`).
 """
@@ -22,43 +23,18 @@ import ctypes
 import ctypes.util
 import os
 
-ENV = "DDPKIT_MMAP_THRESHOLD"
-GLIBC_ENV = "MALLOC_MMAP_THRESHOLD_"
-DEFAULT = 131072
-DYNAMIC = "dynamic"
+from ..devices import GLIBC_MMAP_ENV, mmap_threshold
+
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-_MAX = 32 * 2**20  # glibc's largest threshold on 64-bit (HEAP_MAX_SIZE / 2)
-
-
-def threshold_problem(environ=None):
-    """What is wrong with ``DDPKIT_MMAP_THRESHOLD``, in words, or None."""
-    raw = (os.environ if environ is None else environ).get(ENV, "").strip()
-    if raw in ("", DYNAMIC) or raw.isdigit() and 0 < int(raw) <= _MAX:
-        return None
-    return (f"{ENV}={raw!r} is not a threshold: set it to a number of bytes from 1 to {_MAX} "
-            f"(unset: {DEFAULT}), or to '{DYNAMIC}' for glibc's own, which raises it as it goes")
-
-
-def in_force(environ=None):
-    """The threshold a CPU rank started under ``environ`` (the kernel's) runs with: bytes when
-    fixed, None when glibc raises it as it goes (``dynamic``, or a bad value of the user's)."""
-    environ = os.environ if environ is None else environ
-    glibc = environ.get(GLIBC_ENV, "").strip()
-    if glibc:
-        return int(glibc) if glibc.isdigit() else None
-    raw = environ.get(ENV, "").strip()
-    if raw == DYNAMIC or threshold_problem(environ):
-        return None
-    return int(raw) if raw else DEFAULT
 
 
 def fix_threshold(environ=None):
-    """In a CPU rank at start: fix glibc's mmap threshold as `in_force` says (nothing when glibc
-    already has the user's own, or when it is to stay dynamic, or off glibc). Returns the
-    threshold set, or None."""
+    """In a CPU rank at start: fix glibc's mmap threshold as `devices.mmap_threshold` says
+    (nothing when glibc already has the user's own, or when it is to stay dynamic, or off
+    glibc). Returns the threshold set, or None."""
     environ = os.environ if environ is None else environ
-    wanted = in_force(environ)
-    if wanted is None or environ.get(GLIBC_ENV, "").strip():
+    wanted = mmap_threshold(environ)
+    if wanted is None or environ.get(GLIBC_MMAP_ENV, "").strip():
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

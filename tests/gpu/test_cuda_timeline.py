@@ -4,7 +4,7 @@ import pytest
 
 import ddpkit
 from ddpkit import devices
-from ddpkit.explore.timeline import rebuilt_buckets
+from ddpkit.runs.timeline import rebuilt_buckets
 
 GPUS = len(devices.cuda_gpus())
 CFG = dict(model="mlp", n_blocks=4, width=256, micro_batch=4, world_size=2, steps=4,

@@ -6,7 +6,7 @@ import torch
 
 import ddpkit
 from ddpkit import devices
-from ddpkit.explore.estimate import estimate
+from ddpkit.predict.estimate import estimate
 
 GPUS = len(devices.cuda_gpus())
 needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs (NCCL, one process per GPU); this machine has {GPUS}")
@@ -70,7 +70,7 @@ def test_cuda_peak_is_max_memory_allocated_every_step_and_the_predicted_one(tmp_
 @pytest.mark.parametrize("setting", [None, 2, "full"])
 def test_activation_bytes_equal_the_estimate_on_cuda(setting):
     # fp32 attention runs CUDA's efficient kernel here, which keeps a philox seed and offset
-    # and a log-sum-exp rounded up to 32 tokens: the estimate counts them (explore/attention.py)
+    # and a log-sum-exp rounded up to 32 tokens: the estimate counts them (predict/attention.py)
     res = ddpkit.train(ddpkit.TrainConfig(**CFG[f"activations_{setting}"]))
     assert res.run.device == "cuda"  # NCCL with 2+ GPUs, shared over gloo with one
     assert {m["activation_bytes"] for m in res.metrics} == {estimate(res.config).activations}

@@ -1,0 +1,400 @@
+"""One rank's step, simulated: the rank's own code run once more in the kernel, on fake tensors.
+
+`simulate(cfg, rank)` builds the config's model under ``FakeTensorMode`` (nothing allocated),
+makes torch's ``FakeProcessGroup`` the default group for rank ``rank`` of ``cfg.world_size``
+(collectives return at once; no other process), and runs the rank's own code on top: the
+checkpoint policy, `strategies.wrap` (real DDP, ZeroRedundancyOptimizer, FSDP2
+``fully_shard``), `train_step` with its phase marks, `zero_grad`. A dispatch mode sees every
+storage an op makes (DDP's buckets too: the reducer allocates them through the dispatcher) and
+a weak reference sees it die, so the live bytes are known after every op, and the same
+`ddpkit.engine.memory.summarize` that reads a rank's profiler window turns them into a `Peak`:
+bytes, phase, and the ledger by kind. This is what torch's own
+``torch.distributed._tools.mem_tracker.MemTracker`` does on one process; ddpkit adds the
+process group, the wrappers and the ledger of its measurement, and is ~15x faster on a GPT-2
+step (it keeps no per-module snapshots).
+
+Where the simulation is not the rank's code, `fakeworld` says so, each with why the bytes
+agree; and:
+
+* A CUDA rank is simulated on CPU fake tensors (the CPU build cannot run CUDA kernels, not even
+  fake ones): every size is rounded up to the caching allocator's 512-byte blocks; attention
+  keeps what the CUDA kernel the rank would pick keeps (`attention.on_cuda`); the optimizer
+  runs torch's foreach implementation, its default on CUDA; and cuBLAS's workspaces, which
+  torch allocates through the caching allocator on a thread's first matmul and keeps, are in
+  the ledger's "other" (`cublas_workspaces`). These CUDA figures are read from torch's sources,
+  not measured here (no GPU): ``bench/gpu_check.sh`` compares them with
+  ``max_memory_allocated`` the day one is lent.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+import threading
+import types
+import weakref
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..devices import resolve_devices
+from ..engine import memory, strategies
+from ..engine.memory import optimizer_tensors, storages
+from ..engine.policies import install
+from ..engine.probes import ActivationProbe
+from ..engine.step import train_step, zero_grad
+from ..spec import empty, rng
+from ..spec.blocks import resolve_blocks
+from ..spec.model import describe_spec, fake_model
+from ..spec.setting import CheckpointSetting
+from . import cudastreams
+from .optrace import OpTrace
+from .trace import as_real_for_transformers, example_batch, on_device, run_target
+from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
+                        watch_storage_resizes)
+
+_LOCK = threading.RLock()  # one fake world at a time (the Lab's threads)
+CUDA_BLOCK = 512
+
+
+class LiveStorages(TorchDispatchMode):
+    """Every storage an op creates, from creation to death, as allocator-like events
+    ``(size, key, fsdp, phase)`` with the running total after each (``totals``)."""
+
+    def __init__(self, block=1):
+        super().__init__()
+        self.block = block
+        self.events, self.totals = [], []
+        self.total, self.phase, self.fsdp = 0, None, False
+        self.ignore = False  # inside DTensor's sharding propagation (see `skip_dtensor_meta`)
+        self.forward_ends = []  # event index at the end of each forward
+        self.points = []        # (event index, name): where the blocks' forward/backward begin, end
+        self._refs = {}
+
+    def _size(self, nbytes):
+        return -(-nbytes // self.block) * self.block if nbytes else 0
+
+    def _log(self, size, key):
+        self.total += size
+        self.events.append((size, key, self.fsdp, self.phase))
+        self.totals.append(self.total)
+
+    def add(self, storage):
+        key = storage._cdata
+        if key in self._refs or not storage.nbytes():
+            return
+        size = self._size(storage.nbytes())
+        self._refs[key] = (weakref.ref(storage, functools.partial(self._gone, key)), size)
+        self._log(size, key)
+
+    def adopt(self, tensors):
+        """Track storages made before the mode was entered (the model's)."""
+        while tensors:
+            self.add(tensors.pop().untyped_storage())
+
+    def _gone(self, key, _ref):
+        entry = self._refs.pop(key, None)
+        if entry is not None:
+            self._log(-entry[1], key)
+
+    def resized(self, storage, old):
+        """FSDP2 frees and refills its unsharded parameters with ``storage.resize_``."""
+        key = storage._cdata
+        entry = self._refs.pop(key, None)
+        if entry is not None:
+            self._log(-entry[1], key)
+        elif old:
+            self._log(-self._size(old), key)
+        self.add(storage)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # FSDP's DTensors: see the local ops they run instead
+        out = func(*args, **(kwargs or {}))
+        if self.ignore:
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                self.add(t.untyped_storage())
+        return out
+
+    def point(self, name):
+        self.points.append((len(self.events), name))
+
+    @contextlib.contextmanager
+    def mark(self, name):
+        """`train_step`'s phase marks."""
+        outer, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self.phase = outer
+            if name == "forward":
+                self.forward_ends.append(len(self.events))
+
+
+# ----------------------------------------------------------------------------- the step
+@dataclasses.dataclass
+class Simulation:
+    """One simulated rank: ``peaks[s]`` is step s's `Peak` (step 0 makes the optimizer state;
+    step 1 is the steady state: see the module's note on DDP's rebuild). ``loads``: the
+    parameters each rank's optimizer updates (numel), which says which rank is heaviest."""
+    rank: int
+    peaks: list
+    loads: list
+    segments: list = dataclasses.field(default_factory=list, repr=False)
+    """Per step, {segment: (highest bytes, ledger then)}: the step cut where the blocks' forward
+    ends and their backward begins and ends (`scale.py` extrapolates these in the block count)."""
+    how: str = "simulated"
+    """'simulated' (the whole model) or 'scaled from 3 and 4 blocks' (`scale.py`)."""
+    stream: list = dataclasses.field(default_factory=list, repr=False)
+    """The last step's ops and marks, in the order they ran (`optrace.OpTrace`): what the
+    step-time prediction times."""
+
+
+def simulate(cfg, rank=0, steps=2, keep=None, target=None):
+    """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
+    `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`).
+    ``target``: an `attention.CudaTarget` to simulate the rank as a CUDA rank on that GPU
+    (a named device's, `hardware.target`) whatever this machine has; None: the config's own
+    device (a CUDA rank where the config runs on CUDA here)."""
+    with _new_objects_only() as thaw:
+        return _simulate(cfg, rank, steps, keep, thaw, target)
+
+
+_FREEZE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _new_objects_only():
+    """What exists before a simulation is no concern of its ``gc.collect()``: frozen
+    (``gc.freeze``) it is left out, where a full collection in a kernel that has imported torch
+    and transformers walks millions of objects (~0.25 s, a third of a small simulation). Yields
+    ``thaw()``, called before the step so that the step runs with the collector as it was. The
+    freeze is process-wide: one simulation freezes at a time (the Lab's threads collect as
+    before), and a freeze of the user's own is left alone."""
+    if not _FREEZE_LOCK.acquire(blocking=False):
+        yield lambda: None
+        return
+    try:
+        if gc.get_freeze_count():
+            yield lambda: None
+            return
+        done = []
+
+        def thaw():
+            if not done:
+                done.append(gc.unfreeze())
+
+        gc.freeze()
+        try:
+            yield thaw
+        finally:
+            thaw()
+    finally:
+        _FREEZE_LOCK.release()
+
+
+def _simulate(cfg, rank, steps, keep, thaw, target=None):
+    if target is None:
+        _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
+        target = run_target(cfg) if device == "cuda" else None
+    cuda = target is not None
+    plan = cfg.rank_plan()  # what the rank's code reads
+    # the rank's wrapping, less what a fake group cannot run (the module's notes)
+    wrap_plan = plan.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
+                             precision="fp32")
+    real_batch = example_batch(cfg)
+    ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
+    live = LiveStorages(CUDA_BLOCK if cuda else 1)
+    mode = FakeTensorMode()
+    template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                        real_batch)
+    with rng.forked():
+        model, how = fake_model(plan, mode, keep)  # no initialisation: `ddpkit.spec.empty`
+    stage = functools.partial(empty.stage, who="ddpkit.estimate(cfg).peak()",
+                              model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
+    blocks = resolve_blocks(model, plan.blocks)
+    # a model cut to its first blocks has one stack
+    setting = plan.checkpoint if keep is None else CheckpointSetting.of(plan.checkpoint.value,
+                                                                        len(blocks))
+    with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, \
+            live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
+            skip_dtensor_meta(live):
+        # made before the tracking began (no name left holding the last of them: FSDP frees
+        # the originals once sharded, and so must the simulation)
+        live.adopt([*model.parameters(), *model.buffers()])
+        with stage("installing the checkpoint policy"):
+            policy = install(plan, model, setting)
+        with unset_fake_temporarily():  # a device mesh's rank table is real data
+            mesh_ready = _premade_mesh(wrap_plan, ctx)
+        wrapped, optimizer, _ = strategies.wrap(wrap_plan, model, ctx, count_comm=False,
+                                                mesh=mesh_ready, precision=plan.precision)
+        trace = OpTrace(live)
+        buckets = watch_buckets(wrapped, plan, trace.bucket)
+        gc.collect()  # fake tensors sit in reference cycles: what a rank frees at once, now
+        thaw()
+        if cuda:  # torch's default on CUDA: the foreach implementation
+            for group in optimizer.param_groups:
+                if "foreach" in group:
+                    group["foreach"] = True
+        peaks, segments = [], []
+        hooks = _watch_blocks(live, blocks) + trace.watch(
+            blocks, model, grads=hasattr(wrapped, "register_comm_hook"))
+        streams = cudastreams.recorded(trace) if cuda else contextlib.nullcontext()
+        for step in _within(streams, range(steps)):
+            trace.reset()
+            # collated inside the step, as `RankBatches.micro_batches` (a generator) does
+            batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                                template) for _ in range(cfg.accum_steps))
+            with on_device(target), stage("the step"):
+                peak, cut = _one_step(plan, step, live, (model, wrapped, optimizer, policy),
+                                      batches, buckets, as_real_for_transformers(real_batch),
+                                      trace)
+            extra = cublas_workspaces(target) if target is not None else 0
+            peaks.append(_plus(peak, extra))
+            segments.append({k: (v + extra, {**ledger, "other": ledger["other"] + extra})
+                             for k, (v, ledger) in cut.items()})
+            zero_grad(optimizer)
+        for h in hooks:
+            h.remove()
+        loads = _loads(optimizer, model, cfg.world_size)
+    return Simulation(rank, peaks, loads, segments, stream=trace.stream)
+
+
+def _within(context, items):
+    """``items``, iterated inside ``context`` (FSDP2's CUDA streams, recorded)."""
+    with context:
+        yield from items
+
+
+def _first_tensor(values):
+    return next((t for t in tree_leaves(values) if isinstance(t, torch.Tensor)), None)
+
+
+def _watch_blocks(live, blocks):
+    """Points in the step where the blocks' forward ends (the last block's forward returns) and
+    their backward begins (the gradient of the last block's output arrives) and ends (the
+    gradient of the first block's input)."""
+    def after_last(module, args, out):
+        if live.phase != "forward":
+            return  # a checkpointed block run again inside the backward
+        live.point("blocks_forward_done")
+        t = _first_tensor(out)
+        if t is not None and t.requires_grad:
+            t.register_hook(lambda g: live.point("blocks_backward_start"))
+
+    def before_first(module, args, kwargs):
+        t = _first_tensor((args, kwargs))
+        if live.phase == "forward" and t is not None and t.requires_grad:
+            t.register_hook(lambda g: live.point("blocks_backward_end"))
+    return [blocks[-1].register_forward_hook(after_last),
+            blocks[0].register_forward_pre_hook(before_first, with_kwargs=True)]
+
+
+def _loads(optimizer, model, world_size):
+    """Numel of the parameters each rank's optimizer updates: ZeRO-1's greedy partition, FSDP's
+    dim-0 chunks (the first ranks take the larger), DDP's whole model on every rank."""
+    if hasattr(optimizer, "_partition_parameters"):
+        return [sum(p.numel() for group in groups for p in group["params"])
+                for groups in optimizer._partition_parameters()]
+    numel = [0] * world_size
+    for p in model.parameters():
+        if hasattr(p, "to_local"):  # torch.chunk's rows: ceil(n / N) each, the last ones fewer
+            rows, row = p.shape[0], p.numel() // max(p.shape[0], 1)
+            size = -(-rows // world_size)
+            for r in range(world_size):
+                numel[r] += min(size, max(rows - r * size, 0)) * row
+        else:
+            numel = [n + p.numel() for n in numel]
+    return numel
+
+
+def cublas_workspaces(target):
+    """Bytes of cuBLAS workspace a CUDA rank's step holds: one per (thread, stream) that runs a
+    matmul (the forward on the rank's thread, the backward on autograd's device thread), each
+    ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` in KiB, summed) or torch's default: 4096 KiB
+    x 8 on compute capability 9.0 and up, else 4096 KiB x 2 + 16 KiB x 8
+    (``CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``)."""
+    import os
+    import re
+
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":(\d+):(\d+)", config or "")
+    if pairs:
+        each = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    else:
+        each = 4096 * 1024 * 8 if target.capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 2 * each
+
+
+def _plus(peak, extra):
+    """``peak`` with ``extra`` bytes of "other" at every moment (cuBLAS's workspaces)."""
+    if not extra or peak is None:
+        return peak
+    ledger = {**peak.ledger, "other": peak.ledger["other"] + extra}
+    return memory.Peak(peak.bytes + extra, peak.phase, ledger,
+                       {p: b + extra for p, b in peak.by_phase.items()})
+
+
+def _premade_mesh(plan, ctx):
+    return strategies.fsdp_mesh(ctx.device.type, plan) if strategies.is_fsdp(plan.strategy) \
+        else None
+
+
+def _one_step(plan, step, live, rank, batches, buckets, real_transformers, trace):
+    """One simulated step. ``rank``: (model, wrapped, optimizer, checkpoint policy); ``trace``
+    records its ops (`optrace.OpTrace`)."""
+    model, wrapped, optimizer, policy = rank
+    start = len(live.events)
+    census = {"parameters": storages(model.parameters(), by="impl"),
+              "gradients": storages((p.grad for p in model.parameters()), by="impl"),
+              "optimizer_state": storages(optimizer_tensors(optimizer), by="impl")}
+    base = live.total
+    live.forward_ends, live.points = [], []
+    acts = ActivationProbe()
+    acts.new_step(policy)
+    with real_transformers, trace:
+        train_step(wrapped, optimizer, batches, accum_steps=plan.accum_steps,
+                   no_sync=plan.no_sync and not (plan.static_graph and step == 0),
+                   precision=strategies.autocast_precision(plan), device="cpu",
+                   activation_probe=acts, inner=model, loss_fn=plan.loss_fn, phase=trace.phase,
+                   read_loss=False)
+    end = len(live.events) - start
+    census["ddp_buckets"] = dict(buckets.values())
+    seen = [("parameters", key, 0) for key in census["parameters"]]
+    seen += [(kind, key, end) for kind, tensors in (
+        ("gradients", [p.grad for p in model.parameters()]),
+        ("optimizer_state", optimizer_tensors(optimizer))) for key in storages(tensors, by="impl")]
+    seen += [("ddp_buckets", key, end) for key in census["ddp_buckets"]]
+    for keys, index in zip(acts.saved_keys, live.forward_ends):
+        seen += [("activations", key, index - start) for key in keys]
+    events, totals = live.events[start:], live.totals[start:]
+    peak = memory.summarize(events, totals, base, census, seen)
+    points = [(i - start, name) for i, name in live.points]
+    return peak, _segments(events, totals, points, memory.Ledger(
+        [e[:3] for e in events], base, census, seen))
+
+
+_AFTER = {"blocks_forward_done": "forward_head", "blocks_backward_start": "backward_blocks",
+          "blocks_backward_end": "backward_stem"}
+_FIRST = {"forward": "forward_blocks", "backward": "backward_head", "optimizer": "optimizer"}
+
+
+def _segments(events, totals, points, ledger):
+    """{segment: (highest total, ledger then)}: each phase cut at the blocks' points."""
+    best, segment, phase, p = {}, None, None, 0
+    for i, (event, total) in enumerate(zip(events, totals)):
+        if event[3] != phase:  # a new phase (or a new micro-step's): its first segment
+            phase = event[3]
+            segment = _FIRST.get(phase)
+        while p < len(points) and points[p][0] <= i:
+            segment = _AFTER.get(points[p][1], segment) if phase in _FIRST else segment
+            p += 1
+        if segment is not None and total > best.get(segment, (-1,))[0]:
+            best[segment] = (total, i)
+    return {name: (total, ledger.at(i)) for name, (total, i) in best.items()}
