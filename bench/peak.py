@@ -169,7 +169,7 @@ def main(argv=None):
     if "--mmap-threshold" in argv:  # before any rank starts (rank/heap.py)
         os.environ[devices.MMAP_ENV] = argv[argv.index("--mmap-threshold") + 1]
     FIXED = devices.mmap_threshold()
-    load = os.getloadavg()
+    load, t0 = os.getloadavg(), time.perf_counter()
     out, ok, ratios = [], True, []
     chosen = rows(quick="--quick" in argv, device=device)
     for name, kw in (chosen[:2] if device == "cuda" else chosen):
@@ -198,7 +198,9 @@ def main(argv=None):
                      "made of (MiB)", "worst error", "phase agrees", "RSS", "predict s"], out)
             + f"\n\nEvery row within 3% with the phase agreeing: {'yes' if ok else 'NO'}. The "
               f"process over the tensors at step 2, every row and rank: "
-              f"{min(ratios, default=0):.3f}-{max(ratios, default=0):.3f}x.\n")
+              f"{min(ratios, default=0):.3f}-{max(ratios, default=0):.3f}x. Ran in "
+              f"{(time.perf_counter() - t0) / 60:.0f} min, load average at the end "
+              f"{os.getloadavg()[0]:.2f}.\n")
     print(text)
     return text
 

@@ -104,7 +104,7 @@ MMAP_FIXED = 131072
 CPU_MEASURED = {"dynamic": 3.26, "fixed": 1.05}
 """A CPU rank's ``process_peak_bytes / peak_bytes`` at real sizes, the highest measured: the rank's
 resident high-water mark over a step (its own memory, less what it held before the model was
-built) over its tensors' peak of the same step, steps 2 on, both ranks, over ``bench.peak``'s 19
+built) over its tensors' peak of the same step, steps 2 on, both ranks, over ``bench.peak``'s 21
 rows (GPT-2 small and a 100M Llama; DDP, ZeRO-1, FSDP; checkpointing; bf16): ``bench/results.md``,
 sections ``bench.peak`` (both ways) and ``bench.malloc`` (2026-12-07). "fixed": glibc's mmap
 threshold fixed at 128 KiB or less, what ddpkit's CPU ranks do (`ddpkit.rank.heap`). "dynamic":
