@@ -48,9 +48,10 @@ class PlainLoop:
         self.cfg, self.ctx = cfg, ctx
         model = build_model(cfg.rank_plan())[0].to(ctx.device)
         self.cuda = ctx.device.type == "cuda"
-        if cfg.checkpoint:  # the built-in models call model.blocks (an nn.Sequential) as a whole
+        segments = cfg.checkpoint.segment_count  # the bench's setting: a count of segments
+        if segments:  # the built-in models call model.blocks (an nn.Sequential) as a whole
             blocks = model.blocks
-            blocks.forward = lambda h: checkpoint_sequential(blocks, cfg.checkpoint, h,
+            blocks.forward = lambda h: checkpoint_sequential(blocks, segments, h,
                                                              use_reentrant=cfg.use_reentrant)
         self.ddp = DDP(model, device_ids=[ctx.device.index] if self.cuda else None)
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=cfg.lr)

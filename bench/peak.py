@@ -127,8 +127,10 @@ def measure(name, cfg):
     predicted = {(r, s): est.peak(step=s, rank=r) for r in range(cfg.world_size) for s in (0, 1)}
     t_predict = time.perf_counter() - t0
     t0 = time.perf_counter()
+    # stall_timeout_s: one probed step at real size (a profiler window over every allocation,
+    # GPT-2 s512 x 4) took over 300 s on 2 cores at a load of 15
     res = ddpkit.launch(watched_train, cfg, world_size=cfg.world_size, backend=cfg.backend,
-                        device=cfg.device)
+                        device=cfg.device, stall_timeout_s=1800)
     t_run = time.perf_counter() - t0
     worst, phases, rss_worst, process = 0.0, True, 0.0, []
     for m in res.metrics:
