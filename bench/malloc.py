@@ -13,7 +13,7 @@ block is mapped and unmapped again, its pages zeroed by the kernel at each first
 Each round runs every row twice on 2 fresh gloo ranks, in turn (the order alternates from round
 to round): ranks started with ``DDPKIT_MMAP_THRESHOLD=dynamic`` (glibc's own) and with 131072
 (the forkserver is started again under each). Step time: each run's median over its
-unprobed steps from step 2 on (the peak probe's profiler window doubles the steps it reads);
+unprobed steps from step 2 on (the peak probe's profiler window lengthens the steps it reads);
 the ratio (fixed / dynamic) of the medians of the runs, with a 90% bootstrap interval resampling
 rounds. Memory: ``process_peak_bytes / peak_bytes`` over the probed steps from step 2 on, both
 ranks (the rank's resident high-water mark over the step, its own memory less the bytes live

@@ -187,7 +187,7 @@ def main(argv=None):
               f"CPU time {tcpu[0]:.3f} ({tcpu[1]:.3f}-{tcpu[2]:.3f}), wall time {twall[0]:.3f} "
               f"({twall[1]:.3f}-{twall[2]:.3f}); target <= 1.03: "
               f"{'met' if tcpu[0] <= 1.03 and twall[0] <= 1.03 else 'MISSED'}. The CPU peak probe "
-              f"opens a profiler window on step 1 and every {cfg.peak_every} steps that doubles "
+              f"opens a profiler window on step 1 and every {cfg.peak_every} steps that lengthens "
               f"that step: a median does not show it (the peak probe's own row: mean cost "
               f"{_mean_cost(rounds['cpu'], 'ddpkit, peak-memory probe only', _beside('ddpkit, peak-memory probe only')):.3f}x in "
               f"CPU time).\n")

@@ -155,7 +155,7 @@ def test_a_cell_function_reading_torch_backends_runs_on_every_rank():
     import module_subclass
 
     fn = cell_function(BACKENDS_CELL, "read_switches")
-    res = ddpkit.launch(fn, world_size=2, pool=True)
+    res = ddpkit.launch(fn, world_size=2, pool="shared")
     kernel = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
               "CudnnModule", "GenericModule", 42)
     for out in res.returns:

@@ -115,7 +115,10 @@ def test_each_probed_record_holds_the_process_beside_its_tensors(pool):
     assert {m["step"] for m in probed(res)} == {0, 1, 3}
     for m in res.metrics:
         assert ("process_peak_bytes" in m) == ("peak_bytes" in m)  # read with the peak
-        if "peak_bytes" in m:
+        # from step 1: at step 0 (the optimizer state made) fresh ranks read 7.3 MB of
+        # resident memory against 9.7 MB of tensors (pages come as they are written, and
+        # Linux counts them per CPU in batches: MBs at this size); bench.peak reads step 2
+        if "peak_bytes" in m and m["step"] >= 1:
             assert m["process_peak_bytes"] >= m["peak_bytes"], m  # it holds its tensors
 
 
@@ -159,20 +162,20 @@ def _mapped_on_its_own(ctx):
 
 def test_cpu_ranks_fix_glibcs_mmap_threshold_unless_told_not_to(monkeypatch):
     # issue #41: with glibc's dynamic threshold a CPU rank's resident memory peaked at up to
-    # 2.3x its tensors'; fixed at 128 KiB, 1.05x (bench/results.md). CPU ranks fix it
+    # 3.26x its tensors'; fixed at 128 KiB, 1.05x (bench/results.md). CPU ranks fix it
     monkeypatch.delenv("DDPKIT_MMAP_THRESHOLD", raising=False)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    fixed = ddpkit.launch(_mapped_on_its_own, world_size=2, pool=True, backend="gloo",
+    fixed = ddpkit.launch(_mapped_on_its_own, world_size=2, pool="shared", backend="gloo",
                           device="cpu").returns
     assert all(grown >= 2**20 for grown, _ in fixed), fixed
     monkeypatch.setenv("DDPKIT_MMAP_THRESHOLD", "dynamic")  # glibc's own: warm ranks replaced
-    dynamic = ddpkit.launch(_mapped_on_its_own, world_size=2, pool=True, backend="gloo",
+    dynamic = ddpkit.launch(_mapped_on_its_own, world_size=2, pool="shared", backend="gloo",
                             device="cpu").returns
     assert all(grown == 0 for grown, _ in dynamic), dynamic
     monkeypatch.setenv("DDPKIT_MMAP_THRESHOLD", "lots")
     with pytest.raises(ValueError, match=r"DDPKIT_MMAP_THRESHOLD='lots' is not a threshold: set "
                                          r"it to a number of bytes .* or to 'dynamic'"):
-        ddpkit.launch(_mapped_on_its_own, world_size=2, pool=True)
+        ddpkit.launch(_mapped_on_its_own, world_size=2, pool="shared")
 
 
 def test_bucket_bytes_are_what_ddp_allocated(pool):

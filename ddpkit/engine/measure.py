@@ -13,10 +13,10 @@ frees the gradients). The schedules, each with its reason:
   on every saved tensor costs ~0.3 ms a micro-batch on a CPU rank);
 * the step's peak (`memory.PeakProbe`), and the process's beside it (`process.ProcessProbe`:
   ``process_peak_bytes``, the resident high-water mark on CPU, reserved on CUDA): on CPU its
-  profiler window doubles the step it measures, so steps 0 (the optimizer state is made) and
-  1 (DDP rebuilds its buckets), every ``peak_every`` steps after, and the step a change lands
-  (CUDA's counter is free: every step); the activation probe reads on those steps too (the
-  peak's ledger names what it saved);
+  profiler window lengthens the step it reads by about a third, so steps 0 (the optimizer
+  state is made) and 1 (DDP rebuilds its buckets), every ``peak_every`` steps after, and the
+  step a change lands (CUDA's counter is free: every step); the activation probe reads on
+  those steps too (the peak's ledger names what it saved);
 * all-reduce calls and bytes (DDP's comm hook), every collective of the step
   (`collectives.CollectiveCounter`: ``comm_bytes``, ``comm_by_op``, ``comm_calls``), and the
   step's time: every step;
