@@ -18,6 +18,7 @@ from ..engine.memory import KINDS
 from .background import Pace
 from .fit import figure
 from ..predict.estimate import estimate
+from ..predict.gpus import allocator_allowance
 from ..predict.units import byte_unit, fmt_bytes
 
 KIND_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#e45756",
@@ -125,11 +126,7 @@ class PeakPanel:
 
 def _allowance(cfg):
     """The allocator's allowance `fits` takes for ``cfg`` on its own device's memory."""
-    if cfg is None:
-        return None
-    from ..predict.gpus import allocator_allowance
-
-    return allocator_allowance(cfg)
+    return None if cfg is None else allocator_allowance(cfg)
 
 
 def _table(pairs, allowance=None):

@@ -18,6 +18,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from ..devices import mmap_threshold, resolve_devices
 from .units import GIB, KIB, MIB, TIB
 
 CUDA_CONTEXT = 512 * MIB
@@ -177,8 +178,6 @@ def allocator_allowance(cfg, gpu=None, allowance=None):
 
 
 def _device(cfg):
-    from ..devices import resolve_devices
-
     try:
         return resolve_devices(cfg.world_size, cfg.backend, cfg.device)[1]
     except ValueError:
@@ -188,7 +187,5 @@ def _device(cfg):
 def _fixed_threshold():
     """The threshold CPU ranks started now fix glibc's at, when it is 128 KiB or less (the
     measured case; `ddpkit.devices.mmap_threshold`), else None."""
-    from ..devices import mmap_threshold
-
     fixed = mmap_threshold()
     return fixed if fixed is not None and fixed <= MMAP_FIXED else None
