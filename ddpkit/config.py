@@ -128,7 +128,7 @@ class TrainConfig:
     """Peak memory is probed at the run's first two steps (0: the optimizer state is made; 1:
     DDP rebuilds its buckets), every peak_every steps after step 1, and at the step a mid-run
     change lands (every step on CUDA, where it is free). On CPU the probe opens a
-    profiler window, which roughly doubles that one step's time; 1 probes every step. Activation
+    profiler window, which lengthens that one step by about a third; 1 probes every step. Activation
     bytes are measured at the first step, every peak_every steps and at a change, and each
     record carries the last measurement (they depend only on the setting and the batch shapes)."""
     timeline_every: int = 50

@@ -289,7 +289,7 @@ def measure(name, pool=None):
     out["weight_diff"] = diff(weights[None], weights["full"])
     out["trained"] = diff(weights[None], start)
     budget = min(out["peak_none"], out["peak_full"])  # as low as checkpointing can bring it
-    p = ddpkit.plan(cfg, budget)
+    p = ddpkit.plan(cfg, budget, allowance=0)  # the simulated peaks' own edge
     out.update(budget=budget, plan_fits=p.fits, plan_checkpoint=p.checkpoint,
                plan_peak=p.choice.total if p.fits else None)
     out["seconds"] = round(time.perf_counter() - t0, 1)

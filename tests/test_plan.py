@@ -40,7 +40,7 @@ def test_the_plan_is_the_cheapest_frontier_choice_whose_peak_fits():
         front = ddpkit.plan(cfg, 10**12).frontier
         low, high = min(c.total for c in front), max(c.total for c in front)
         for share in (0.2, 0.7):  # budgets between the frontier's ends
-            p = ddpkit.plan(cfg, low + int(share * (high - low)))
+            p = ddpkit.plan(cfg, low + int(share * (high - low)), allowance=0)
             if not p.fits:  # the optimizer step is the peak: said so, nothing chosen
                 assert "checkpointing cannot lower" in p.reason, (cfg.model, share)
                 continue
@@ -58,7 +58,7 @@ def test_the_planned_run_measures_what_was_predicted():
     unchecked = ddpkit.estimate(cfg).peak()
     assert unchecked.phase == "backward"  # activations dominate: checkpointing can help
     budget = unchecked.bytes - int(0.3 * unchecked.ledger["activations"])
-    p = ddpkit.plan(cfg, budget)
+    p = ddpkit.plan(cfg, budget, allowance=0)
     assert p.checkpoint is not None and p.choice.flops_ratio > 1.0 and p.choice.total <= budget
     res = ddpkit.train(p.apply())
     rank0 = [m for m in res.metrics if m["rank"] == 0]
@@ -88,7 +88,7 @@ def test_nothing_fits_says_what_would():
     cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=32, **{**RUN, "micro_batch": 8})
     # just what FSDP needs with every block checkpointed: DDP keeps every state whole
     tight = ddpkit.estimate(cfg.replace(strategy="fsdp", checkpoint="full")).peak().bytes
-    p = ddpkit.plan(cfg, tight)
+    p = ddpkit.plan(cfg, tight, allowance=0)
     assert not p.fits and p.choice is None and p.reason
     changes = [a["change"] for a in p.alternatives]
     assert any(c.startswith("micro_batch=4, accum_steps=2") for c in changes)

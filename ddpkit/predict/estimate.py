@@ -97,14 +97,15 @@ class Estimate:
         roofline (``device="H100"``, with ``link`` the network between nodes)."""
         return step_time(self.config, device=device, link=link, rank=rank)
 
-    def fits(self, gpu):
+    def fits(self, gpu, allowance=None):
         """`plan.Fit` (truthy if it fits) of the step's peak on a GPU name ('T4', 'A100-80GB',
-        'H100': see `ddpkit.predict.gpus.GPUS`) or a byte count, with this config's setting."""
-        return fits(self.config, gpu)
+        'H100': see `ddpkit.predict.gpus.GPUS`) or a byte count, with this config's setting and
+        the allocator's allowance (``allowance``: a fraction of your own, 0 for none)."""
+        return fits(self.config, gpu, allowance)
 
-    def largest_micro_batch(self, gpu):
+    def largest_micro_batch(self, gpu, allowance=None):
         """The largest micro-batch with which this config fits ``gpu`` (0: none)."""
-        return largest_micro_batch(self.config, gpu)
+        return largest_micro_batch(self.config, gpu, allowance=allowance)
 
     def blocks_table(self):
         """The per-block figures as a pandas DataFrame, best savings per FLOP first."""

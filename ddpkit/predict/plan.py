@@ -46,7 +46,7 @@ from ..engine import strategies
 from ..engine.memory import TIE
 from ..spec.setting import CheckpointSetting
 from .estimate import estimate, traced_flops
-from .gpus import budget_bytes
+from .gpus import Allowance, allocator_allowance, budget_bytes
 from .peak import predicted_peak
 from .units import fmt_bytes
 
@@ -80,7 +80,8 @@ class Choice:
 @dataclass
 class Plan:
     """``ddpkit.plan``'s answer. ``choice`` is None when nothing fits; then ``reason`` says
-    why and ``alternatives`` what would (each with its predicted peak)."""
+    why and ``alternatives`` what would (each with its predicted peak). ``budget``: the
+    highest step peak the memory given leaves once the allocator's allowance is set aside."""
     budget: int
     choice: Choice | None
     frontier: list = field(repr=False)
@@ -89,6 +90,10 @@ class Plan:
     reason: str = ""
     unchecked: object = field(default=None, repr=False)
     """The simulated peak without checkpointing (where the step peaks)."""
+    allowance: Allowance = Allowance(0.0, "")
+    """The allocator's share budgeted beside the peak (`gpus.allocator_allowance`)."""
+    memory: int = 0
+    """The memory given; ``budget`` is what it leaves the step's peak beside the allowance."""
 
     @property
     def fits(self):
@@ -119,11 +124,19 @@ class Plan:
         if self.choice is None:
             alts = "; ".join(f"{a['change']}: {gib(a['predicted'])}{' (fits)' if a['fits'] else ''}"
                              for a in self.alternatives)
-            return (f"Plan(nothing fits {gib(self.budget)}: {self.reason}; instead: "
-                    f"{alts or 'nothing tried'})")
+            return (f"Plan(nothing fits {gib(self.budget)} ({self.memory_note}): {self.reason}; "
+                    f"instead: {alts or 'nothing tried'})")
         c = self.choice
         return (f"Plan(checkpoint={c.checkpoint}, the step peaks at {gib(c.total)} per rank in "
-                f"the {c.peak.phase} of {gib(self.budget)}, FLOP ratio {c.flops_ratio:.3f})")
+                f"the {c.peak.phase} of {gib(self.budget)} ({self.memory_note}), FLOP ratio "
+                f"{c.flops_ratio:.3f})")
+
+    @property
+    def memory_note(self):
+        """The memory given and the allocator's allowance beside the budget, in words."""
+        if not self.allowance.fraction:
+            return str(self.allowance)
+        return f"{fmt_bytes(self.memory)} given, {self.allowance}"
 
 
 # ----------------------------------------------------------------------------- the figures
@@ -235,13 +248,16 @@ def frontier(choices):
     return out
 
 
-def plan(cfg, memory_budget):
+def plan(cfg, memory_budget, allowance=None):
     """The per-block checkpoint choice whose step peak per rank (simulated: every live byte at
     the step's highest moment, DDP's buckets included) fits ``memory_budget`` (bytes, a string
-    like '12GiB', or a GPU name from `gpus.GPUS`) at the least recompute."""
+    like '12GiB', or a GPU name from `gpus.GPUS`) at the least recompute, beside the allocator's
+    allowance (`gpus.allocator_allowance`; ``allowance``: a fraction of your own, 0 for none)."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")
-    budget = budget_bytes(memory_budget)
+    given = budget_bytes(memory_budget)
+    allowed = allocator_allowance(cfg, memory_budget, allowance)
+    budget = allowed.room(given)  # what the step's tensors may peak at
     fig = _figures(cfg)
     unchecked = predicted_peak(cfg.replace(checkpoint=None))
     front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m, fig.none.stacks)), fig,
@@ -251,15 +267,16 @@ def plan(cfg, memory_budget):
     lowest = unchecked if not front[1:] else predicted_peak(cfg.replace(checkpoint="full"))
     if min(lowest.bytes, unchecked.bytes) > budget:
         return Plan(budget, None, front, _alternatives(cfg, budget), cfg,
-                    _out_of_reach(unchecked, lowest), unchecked)
+                    _out_of_reach(unchecked, lowest), unchecked, allowed, given)
     for c in front:  # cheapest first; simulate those placed within the budget
         if c.placed <= budget:
             c.peak = predicted_peak(cfg.replace(checkpoint=c.checkpoint))
             if c.peak.bytes <= budget:
-                return Plan(budget, c, front, [], cfg, "", unchecked)
+                return Plan(budget, c, front, [], cfg, "", unchecked, allowed, given)
     reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
               f"{fmt_bytes(min(c.total for c in front))})")
-    return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
+    return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked, allowed,
+                given)
 
 
 def _out_of_reach(unchecked, lowest):

@@ -195,11 +195,14 @@ def _collective(kind, nbytes, world, device=None):
         t = ones(n)
         return lambda: dist.broadcast(t, 0)
     shard = max(n // world, 1)
+    # torch 2.13 names them *_single (the old names warn, FutureWarning); 2.11 has only the old
     if kind == "allgather":
         inp, out = ones(shard), torch.empty(shard * world, device=device)
-        return lambda: dist.all_gather_into_tensor(out, inp)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(out, inp)
     inp, out = ones(shard * world), torch.empty(shard, device=device)  # reduce_scatter
-    return lambda: dist.reduce_scatter_tensor(out, inp)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return lambda: scatter(out, inp)
 
 
 def collective_points(world, kinds=("allreduce", "allgather", "reduce_scatter", "broadcast"),
