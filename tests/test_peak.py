@@ -72,10 +72,12 @@ def test_steps_zero_one_and_steady_differ_as_predicted(pool):
     assert first.phase == second.phase == "backward"
     # step 0 runs its backward before AdamW has made its two moments; after, they are there
     assert second.bytes - first.bytes == second.ledger["optimizer_state"] > 0
-    # step 1: DDP rebuilds its buckets, freeing the first ones before it allocates the new
-    assert second == steady and est.peak() == second
+    # step 1: DDP rebuilds its buckets, freeing the first ones before it allocates the new;
+    # every later step is the steady state too, so a record's own step number is a question
+    assert second == steady == est.peak(step=2) == est.peak(step=3) and est.peak() == second
     for m in rows:
-        want = first if m["step"] == 0 else second
+        want = est.peak(step=m["step"])
+        assert want == (first if m["step"] == 0 else second)
         assert m["peak_bytes"] - want.bytes in range(-64, 65)  # a few scalars of the rank's own
         assert m["peak_ledger"]["optimizer_state"] == want.ledger["optimizer_state"]
 
@@ -166,7 +168,10 @@ def test_fits_accepts_the_common_spellings_of_a_card(name):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda e: e.peak(step=5), r"peak\(step=5\): pass 0 .* 1 or 'steady'"),
+    (lambda e: e.peak(step=-1), r"peak\(step=-1\): pass 0 .* a step number from 1 on or "
+                                r"'steady'"),
+    (lambda e: e.peak(step=1.5), r"peak\(step=1.5\): pass 0"),
+    (lambda e: e.peak(step=True), r"peak\(step=True\): pass 0"),
     (lambda e: e.peak(rank=2), r"peak\(rank=2\): pass a rank in 0..1 or None"),
     (lambda e: e.fits("A100"), r"gpu='A100' is not a card ddpkit knows \(it came with 40GB "
                                r"and 80GB: name one\)"),

@@ -83,9 +83,10 @@ class Estimate:
     def peak(self, step=None, rank=None):
         """The step's predicted peak per rank, a `ddpkit.engine.memory.Peak` (``bytes``,
         ``phase``, ``ledger``: bytes by kind at that moment), from the rank's own step simulated
-        on fake tensors (`ddpkit.predict.peak`). ``step``: 0 (the optimizer state is made), 1
-        or 'steady' (every step after: DDP's rebuild of its buckets at step 1 frees as much as it
-        allocates), None: the higher. ``rank``: None is the heaviest rank."""
+        on fake tensors (`ddpkit.predict.peak`). ``step``: 0 (the optimizer state is made), any
+        step number from 1 on or 'steady' (all the steady state: DDP's rebuild of its buckets at
+        step 1 frees as much as it allocates), None: the higher. ``rank``: None is the heaviest
+        rank."""
         return predicted_peak(self.config, step, rank)
 
     def fits(self, gpu):

@@ -57,12 +57,17 @@ def simulated(cfg, rank):
 
 
 def predicted_peak(cfg, step=None, rank=None):
-    """The predicted `Peak` of ``cfg``'s step ``step`` (0: the optimizer state is made; 1 or
-    'steady': every step after; None: the higher) on rank ``rank`` (None: the heaviest: the
-    rank whose optimizer updates the most parameters, rank 0 on a tie)."""
-    if step not in (None, 0, 1, "steady"):
+    """The predicted `Peak` of ``cfg``'s step ``step`` on rank ``rank`` (None: the heaviest: the
+    rank whose optimizer updates the most parameters, rank 0 on a tie). ``step``: 0 (the first
+    step, which makes the optimizer state); any step from 1 on, or 'steady' (every step from 1
+    on is the steady state: the simulation of step 1 answers them all, so a record's own step
+    number can be passed as it is); None: the higher of step 0 and the steady state."""
+    number = isinstance(step, int) and not isinstance(step, bool)
+    steady = (isinstance(step, str) and step == "steady") or (number and step >= 1)
+    if not (step is None or steady or (number and step == 0)):
         raise ValueError(f"peak(step={step!r}): pass 0 (the first step, which makes the "
-                         f"optimizer state), 1 or 'steady' (every step after), or None (the higher)")
+                         f"optimizer state), a step number from 1 on or 'steady' (every step "
+                         f"from 1 on is the steady state), or None (the higher)")
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < cfg.world_size):
         raise ValueError(f"peak(rank={rank!r}): pass a rank in 0..{cfg.world_size - 1} or None "
                          f"(the heaviest)")
@@ -73,4 +78,4 @@ def predicted_peak(cfg, step=None, rank=None):
             sim = simulated(cfg, heaviest)
     if step is None:
         return max(sim.peaks, key=lambda p: p.bytes)
-    return sim.peaks[0 if step == 0 else 1]
+    return sim.peaks[1 if steady else 0]
