@@ -57,7 +57,10 @@ def scaled(simulate, cfg, rank):
         segments.append(parts)
         peaks.append(_peak_of(parts))
     loads = [_line(a, b, n) for a, b in zip(three.loads, four.loads)]
-    return Simulation(rank, peaks, loads, segments, how="scaled from 3 and 4 blocks")
+    for p in peaks:
+        p.assumed = four.assumed
+    return Simulation(rank, peaks, loads, segments, how="scaled from 3 and 4 blocks",
+                      assumed=four.assumed)
 
 
 def _peak_of(parts):

@@ -49,9 +49,10 @@ from ..engine.blocks import resolve_blocks
 from ..engine.policies import CheckpointSetting
 from ..engine.spec import describe_spec, fake_model
 from ..engine.step import train_step, zero_grad
+from .datadep import DataDependence
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
-from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
-                        watch_storage_resizes)
+from .fakeworld import (Accumulations, fake_world, gloo_buffers, mark_fsdp_collectives,
+                        skip_dtensor_meta, watch_buckets, watch_rng_states, watch_storage_resizes)
 
 _LOCK = threading.RLock()  # one fake world at a time (the Lab's threads)
 CUDA_BLOCK = 512
@@ -70,6 +71,7 @@ class LiveStorages(TorchDispatchMode):
         self.forward_ends = []  # event index at the end of each forward
         self.points = []        # (event index, name): where the blocks' forward/backward begin, end
         self._refs = {}
+        self.accumulations = Accumulations(self)  # autograd's in-place sums (`fakeworld`)
 
     def _size(self, nbytes):
         return -(-nbytes // self.block) * self.block if nbytes else 0
@@ -96,6 +98,7 @@ class LiveStorages(TorchDispatchMode):
         entry = self._refs.pop(key, None)
         if entry is not None:
             self._log(-entry[1], key)
+            self.accumulations.died(key, len(self.events) - 1)
 
     def resized(self, storage, old):
         """FSDP2 frees and refills its unsharded parameters with ``storage.resize_``."""
@@ -110,24 +113,31 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # FSDP's DTensors: see the local ops they run instead
+        self.accumulations.settle()
         out = func(*args, **(kwargs or {}))
         if self.ignore:
             return out
+        made = len(self.events)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                 self.add(t.untyped_storage())
+        self.accumulations.added(func, args, kwargs, out,
+                                 len(self.events) - 1 if len(self.events) > made else None)
         return out
 
     def point(self, name):
+        self.accumulations.settle()
         self.points.append((len(self.events), name))
 
     @contextlib.contextmanager
     def mark(self, name):
         """`train_step`'s phase marks."""
+        self.accumulations.settle()
         outer, self.phase = self.phase, name
         try:
             yield
         finally:
+            self.accumulations.settle()
             self.phase = outer
             if name == "forward":
                 self.forward_ends.append(len(self.events))
@@ -147,6 +157,9 @@ class Simulation:
     ends and their backward begins and ends (`scale.py` extrapolates these in the block count)."""
     how: str = "simulated"
     """'simulated' (the whole model) or 'scaled from 3 and 4 blocks' (`scale.py`)."""
+    assumed: tuple = ()
+    """What sized each data-dependent op of the step (`datadep`: the batch's values, the
+    routing assumption, an upper bound), one line each; empty when there was none."""
 
 
 def simulate(cfg, rank=0, steps=2, keep=None):
@@ -190,7 +203,7 @@ def _new_objects_only():
 
 
 def _simulate(cfg, rank, steps, keep, thaw):
-    _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
+    backend, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     cuda = device == "cuda"
     target = run_target(cfg) if cuda else None
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
@@ -200,7 +213,8 @@ def _simulate(cfg, rank, steps, keep, thaw):
     ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
     live = LiveStorages(CUDA_BLOCK if cuda else 1)
     mode = FakeTensorMode()
-    template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+    datadep = DataDependence(cfg.routing)  # data-dependent ops: how each was sized, noted
+    template = tree_map(lambda t: datadep.fake(mode, t) if isinstance(t, torch.Tensor) else t,
                         real_batch)
     with rng.forked():
         model, how = fake_model(cfg, mode, keep)  # no initialisation: `ddpkit.engine.empty`
@@ -208,9 +222,10 @@ def _simulate(cfg, rank, steps, keep, thaw):
                               model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
     blocks = resolve_blocks(model, cfg.blocks_path)
     setting = cfg.checkpointing if keep is None else CheckpointSetting.of(cfg.checkpoint, len(blocks))
-    with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, \
+    with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, datadep, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
-            skip_dtensor_meta(live):
+            skip_dtensor_meta(live), gloo_buffers(backend == "gloo" and not cuda), \
+            watch_rng_states(live, not cuda):
         # made before the tracking began (no name left holding the last of them: FSDP frees
         # the originals once sharded, and so must the simulation)
         live.adopt([*model.parameters(), *model.buffers()])
@@ -244,7 +259,10 @@ def _simulate(cfg, rank, steps, keep, thaw):
         for h in hooks:
             h.remove()
         loads = _loads(optimizer, model, cfg.world_size)
-    return Simulation(rank, peaks, loads, segments)
+    assumed = tuple(datadep.lines())
+    for p in peaks:
+        p.assumed = assumed
+    return Simulation(rank, peaks, loads, segments, assumed=assumed)
 
 
 def _first_tensor(values):
@@ -335,6 +353,7 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
                    precision=strategies.autocast_precision(cfg), device="cpu",
                    activation_probe=acts, inner=model, loss_fn=cfg.loss_fn, phase=live.mark,
                    read_loss=False)
+    live.accumulations.settle()
     end = len(live.events) - start
     census["ddp_buckets"] = dict(buckets.values())
     seen = [("parameters", key, 0) for key in census["parameters"]]
@@ -344,6 +363,7 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
     seen += [("ddp_buckets", key, end) for key in census["ddp_buckets"]]
     for keys, index in zip(acts.saved_keys, live.forward_ends):
         seen += [("activations", key, index - start) for key in keys]
+    seen = live.accumulations.seen_through(seen, start)
     events, totals = live.events[start:], live.totals[start:]
     peak = memory.summarize(events, totals, base, census, seen)
     points = [(i - start, name) for i, name in live.points]

@@ -39,6 +39,7 @@ from ..engine.probes import ActivationProbe, storage
 from ..engine.spec import compute_loss, describe_spec, fake_model
 from ..engine.step import autocast_for
 from . import attention
+from .datadep import DataDependence
 
 SCALE_ABOVE = 300_000_000
 """Parameters above which a model is traced cut to `TRACED_BLOCKS` blocks and a simulated step
@@ -62,8 +63,11 @@ class Traced:
         with rng.forked():
             self.model, self.how = fake_model(cfg, self.mode, keep, dtype)
         cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+        # data-dependent ops (a loss's label checks, MoE routing): sized from the batch's
+        # values, the routing assumption or an upper bound, each noted (`datadep`)
+        self.datadep = DataDependence(cfg.routing)
         self.batch = torch.utils._pytree.tree_map(
-            lambda t: self.mode.from_tensor(cast(t)) if isinstance(t, torch.Tensor) else t,
+            lambda t: self.datadep.fake(self.mode, cast(t)) if isinstance(t, torch.Tensor) else t,
             real_batch)
         stacks = find_stacks(self.model, cfg.blocks_path)
         self.blocks = [b for _, container in stacks for b in container]
@@ -100,11 +104,14 @@ class Traced:
         with self.lock:
             with self.stage("installing the checkpoint policy"):
                 self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
-            with self.stage("the forward"), self.mode, as_real_for_transformers(self.batch), \
-                    probe.forward(self.model), \
+            with self.stage("the forward"), self.mode, self.datadep, \
+                    as_real_for_transformers(self.batch), probe.forward(self.model), \
                     autocast_for(strategies.autocast_precision(self.cfg), "cpu"), \
                     on_device(self.target):
-                compute_loss(self.model, self.batch, self.cfg.loss_fn)
+                # held until the window closes, as a rank holds it for its backward: what
+                # the loss itself saved is an activation too
+                loss = compute_loss(self.model, self.batch, self.cfg.loss_fn)
+            del loss
         self.memo[key] = probe.bytes
         return probe.bytes
 
@@ -126,8 +133,8 @@ class Traced:
         with self.lock:
             with self.stage("installing the checkpoint policy"):
                 self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
-            with self.stage("the step"), self.mode, as_real_for_transformers(self.batch), \
-                    FlopCounterMode(display=False) as counter:
+            with self.stage("the step"), self.mode, self.datadep, \
+                    as_real_for_transformers(self.batch), FlopCounterMode(display=False) as counter:
                 compute_loss(self.model, self.batch, self.cfg.loss_fn).backward()
         return counter.get_total_flops(), {k: sum(v.values()) for k, v in
                                            counter.get_flop_counts().items()}
@@ -266,7 +273,7 @@ _TRACES_LOCK = threading.Lock()
 def _trace_key(cfg):
     d = cfg.to_dict()
     keep = ("model", "data", "loss", "blocks", "n_blocks", "width", "mlp_ratio", "seq_len", "vocab",
-            "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant")
+            "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant", "routing")
     return tuple((k, d[k] if isinstance(d[k], (str, int, float, type(None))) else id(d[k]))
                  for k in keep) + (run_target(cfg), str(strategies.mixed_dtype(cfg)))
 
