@@ -347,7 +347,8 @@ def config(name, **changes):
     fam = FAMILIES[name]
     import ddpkit
 
-    return ddpkit.TrainConfig(model=fam.make, data=fam.data, loss=fam.loss, **{**RUN, **changes})
+    return ddpkit.TrainConfig(**{"model": fam.make, "data": fam.data, "loss": fam.loss, **RUN,
+                                 **changes})
 
 
 def measure(name, pool=None):

@@ -88,7 +88,8 @@ class Peak:
 
     def __repr__(self):
         parts = ", ".join(f"{k} {_fmt(v)}" for k, v in self.ledger.items() if v)
-        said = f"; assumed: {'; '.join(self.assumed)}" if self.assumed else ""
+        said = f"; {self.assumed[0]}{' (and more: .assumed)' if self.assumed[1:] else ''}" \
+            if self.assumed else ""
         return f"Peak({_fmt(self.bytes)} in the {self.phase}: {parts}{said})"
 
 

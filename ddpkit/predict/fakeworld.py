@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 
 import torch
@@ -203,10 +204,12 @@ _GLOO = {  # collective -> (the argument gloo copies or fills, its position, how
 
 
 @contextlib.contextmanager
-def gloo_buffers(on):
+def gloo_buffers(on, largest=None):
     """On a CPU (gloo) rank, the fake group's collectives make the tensors gloo makes (the
     module's note): a reduce-scatter's copy of its input, held while it runs; an all-gather's
-    output-sized buffer, made and freed twice."""
+    output-sized buffer, made and freed twice. ``largest`` (a list) gets the largest in bytes:
+    gloo frees it on its own thread as the collective ends, and on a busy machine it can outlive
+    the collective while the rank allocates on (`late_note`)."""
     import torch.distributed.distributed_c10d as c10d
 
     names = [n for n in _GLOO if on and hasattr(c10d, n)]
@@ -220,6 +223,9 @@ def gloo_buffers(on):
             like = kwargs[arg] if arg in kwargs else args[position]
             shape = (len(like), *like[0].shape) if isinstance(like, (list, tuple)) else like.shape
             first = like[0] if isinstance(like, (list, tuple)) else like
+            if largest is not None:
+                largest.append(max(largest.pop() if largest else 0,
+                                   math.prod(shape) * first.element_size()))
             if times == 1:  # held while the collective runs
                 held = torch.empty(shape, dtype=first.dtype, device=first.device)
                 try:
@@ -239,6 +245,14 @@ def gloo_buffers(on):
         for n, fn in originals.items():
             setattr(c10d, n, fn)
             setattr(dist, n, fn)
+
+
+def late_note(largest):
+    """What the simulated peak cannot say of gloo's buffers: their timing (``largest``: bytes)."""
+    return (f"fsdp_buffers: gloo frees its collective buffers (the largest {largest:,} B) on its "
+            f"own thread as each collective ends; on a busy machine one can outlive it while the "
+            f"rank allocates on, and the measured peak be up to {largest:,} B higher (its timing "
+            f"is not modelled)")
 
 
 class Accumulations:

@@ -51,7 +51,7 @@ from ..engine.spec import describe_spec, fake_model
 from ..engine.step import train_step, zero_grad
 from .datadep import DataDependence
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
-from .fakeworld import (Accumulations, fake_world, gloo_buffers, mark_fsdp_collectives,
+from .fakeworld import (Accumulations, fake_world, gloo_buffers, late_note, mark_fsdp_collectives,
                         skip_dtensor_meta, watch_buckets, watch_rng_states, watch_storage_resizes)
 
 _LOCK = threading.RLock()  # one fake world at a time (the Lab's threads)
@@ -211,7 +211,7 @@ def _simulate(cfg, rank, steps, keep, thaw):
                            device="cpu", backend="gloo", precision="fp32")
     real_batch = example_batch(cfg)
     ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
-    live = LiveStorages(CUDA_BLOCK if cuda else 1)
+    live, largest = LiveStorages(CUDA_BLOCK if cuda else 1), []
     mode = FakeTensorMode()
     datadep = DataDependence(cfg.routing)  # data-dependent ops: how each was sized, noted
     template = tree_map(lambda t: datadep.fake(mode, t) if isinstance(t, torch.Tensor) else t,
@@ -224,7 +224,7 @@ def _simulate(cfg, rank, steps, keep, thaw):
     setting = cfg.checkpointing if keep is None else CheckpointSetting.of(cfg.checkpoint, len(blocks))
     with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, datadep, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
-            skip_dtensor_meta(live), gloo_buffers(backend == "gloo" and not cuda), \
+            skip_dtensor_meta(live), gloo_buffers(backend == "gloo" and not cuda, largest), \
             watch_rng_states(live, not cuda):
         # made before the tracking began (no name left holding the last of them: FSDP frees
         # the originals once sharded, and so must the simulation)
@@ -259,7 +259,7 @@ def _simulate(cfg, rank, steps, keep, thaw):
         for h in hooks:
             h.remove()
         loads = _loads(optimizer, model, cfg.world_size)
-    assumed = tuple(datadep.lines())
+    assumed = tuple(datadep.lines()) + ((late_note(largest[0]),) if largest else ())
     for p in peaks:
         p.assumed = assumed
     return Simulation(rank, peaks, loads, segments, assumed=assumed)

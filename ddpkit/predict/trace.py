@@ -28,7 +28,8 @@ import threading
 import torch
 import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
 from ..engine import rng, strategies
 from ..engine.blocks import block_names, find_stacks
@@ -134,7 +135,8 @@ class Traced:
             with self.stage("installing the checkpoint policy"):
                 self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
             with self.stage("the step"), self.mode, self.datadep, \
-                    as_real_for_transformers(self.batch), FlopCounterMode(display=False) as counter:
+                    as_real_for_transformers(self.batch), \
+                    FlopCounterMode(display=False, custom_mapping=MORE_FLOPS) as counter:
                 compute_loss(self.model, self.batch, self.cfg.loss_fn).backward()
         return counter.get_total_flops(), {k: sum(v.values()) for k, v in
                                            counter.get_flop_counts().items()}
@@ -150,18 +152,16 @@ class Traced:
                  for i, b in enumerate(self.blocks)]
         hooks += [b.register_forward_hook(lambda *a: setattr(probe, "owner", None))
                   for b in self.blocks]
+        counter = BlockFlops(probe)
         try:
-            with FlopCounterMode(display=False) as counter:
+            with counter:
                 self.forward_bytes(CheckpointSetting(None, len(self.blocks)), probe)
         finally:
             for h in hooks:
                 h.remove()
-        counts = counter.get_flop_counts()
-        root = type(self.model).__name__
-        names = self.block_names[:len(self.blocks)]
         self.block_keeps = [probe.by_owner.get(i, 0) for i in range(len(self.blocks))]
         self.block_boundary = [inputs.get(i, 0) for i in range(len(self.blocks))]
-        self.block_flops = [sum(counts.get(f"{root}.{n}", {}).values()) for n in names]
+        self.block_flops = [counter.by_owner.get(i, 0) for i in range(len(self.blocks))]
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # gradients and optimizer state exist for trainable parameters only (LoRA: adapters)
         self.trainable_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()
@@ -213,6 +213,39 @@ class Traced:
         out = self.plain_flops
         for a, b in setting.regions:  # the forward of all its blocks but the last, again
             out += sum(self.block_flops[a:b - 1]) + self.alone[b - 1]
+        return out
+
+
+def _grouped_mm_flops(a, b, *args, out_shape=None, **kwargs):
+    """FLOPs of ``torch._grouped_mm`` (transformers' MoE experts), which torch's counter does not
+    know: each row of the jagged operand meets one group's matrix."""
+    if len(a) == 2 and len(b) == 3:  # (S, K) x (E, K, N): the forward, and the input's gradient
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 2:  # (K, S) x (S, N) cut by S: the weights' gradient
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * a[0] * a[1] * a[2] * b[-1]  # batched
+
+
+MORE_FLOPS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
+class BlockFlops(TorchDispatchMode):
+    """Forward FLOPs by the block that ran them (``owner.owner``, the per-block trace's probe):
+    torch's formulas (``flop_counter.flop_registry``), without its module tracker, which holds
+    what a forward hook replaced (a router's top-k under a routing hook) alive."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner, self.by_owner = owner, {}
+        self.formulas = {**flop_registry, **{k: shape_wrapper(v) for k, v in MORE_FLOPS.items()}}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func.overloadpacket)
+        if formula is not None and self.owner.owner is not None:
+            n = formula(*args, **kwargs, out_val=out)
+            self.by_owner[self.owner.owner] = self.by_owner.get(self.owner.owner, 0) + n
         return out
 
 
