@@ -72,6 +72,7 @@ class LiveStorages(TorchDispatchMode):
         self.points = []        # (event index, name): where the blocks' forward/backward begin, end
         self._refs = {}
         self.accumulations = Accumulations(self)  # autograd's in-place sums (`fakeworld`)
+        self.observer = None  # a `pieces.Recorder`: which block each op's storages are for
 
     def _size(self, nbytes):
         return -(-nbytes // self.block) * self.block if nbytes else 0
@@ -123,6 +124,8 @@ class LiveStorages(TorchDispatchMode):
                 self.add(t.untyped_storage())
         self.accumulations.added(func, args, kwargs, out,
                                  len(self.events) - 1 if len(self.events) > made else None)
+        if self.observer is not None:
+            self.observer.seen_op(func, args, list(range(made, len(self.events))))
         return out
 
     def point(self, name):
@@ -152,21 +155,24 @@ class Simulation:
     rank: int
     peaks: list
     loads: list
-    segments: list = dataclasses.field(default_factory=list, repr=False)
-    """Per step, {segment: (highest bytes, ledger then)}: the step cut where the blocks' forward
-    ends and their backward begins and ends (`scale.py` extrapolates these in the block count)."""
     how: str = "simulated"
-    """'simulated' (the whole model) or 'scaled from 3 and 4 blocks' (`scale.py`)."""
+    """'simulated' (the whole model) or 'composed' (`compose.py`: from per-block pieces of the
+    model cut to a few blocks; ``composition`` says which were simulated and how each carried)."""
     assumed: tuple = ()
     """What sized each data-dependent op of the step (`datadep`: the batch's values, the
     routing assumption, an upper bound), one line each; empty when there was none."""
+    composition: object = None
+    """How a composed step was made (`compose.Composition`); None when simulated whole."""
 
 
-def simulate(cfg, rank=0, steps=2, keep=None):
+def simulate(cfg, rank=0, steps=2, keep=None, setting=None, recorder=None):
     """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
-    `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`)."""
+    `Simulation`. For `compose.py`: ``keep``, only the first ``keep`` blocks of each stack (an
+    int, or one per stack); ``setting``, a `CheckpointSetting` of those blocks to run instead of
+    the config's; ``recorder``, a `pieces.Recorder` that marks the blocks and keeps each step's
+    pieces."""
     with _new_objects_only() as thaw:
-        return _simulate(cfg, rank, steps, keep, thaw)
+        return _simulate(cfg, rank, steps, keep, thaw, setting, recorder)
 
 
 _FREEZE_LOCK = threading.Lock()
@@ -202,7 +208,7 @@ def _new_objects_only():
         _FREEZE_LOCK.release()
 
 
-def _simulate(cfg, rank, steps, keep, thaw):
+def _simulate(cfg, rank, steps, keep, thaw, setting=None, recorder=None):
     backend, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     cuda = device == "cuda"
     target = run_target(cfg) if cuda else None
@@ -221,7 +227,9 @@ def _simulate(cfg, rank, steps, keep, thaw):
     stage = functools.partial(empty.stage, who="ddpkit.estimate(cfg).peak()",
                               model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
     blocks = resolve_blocks(model, cfg.blocks_path)
-    setting = cfg.checkpointing if keep is None else CheckpointSetting.of(cfg.checkpoint, len(blocks))
+    if setting is None:
+        setting = cfg.checkpointing if keep is None else \
+            CheckpointSetting.of(cfg.checkpoint, len(blocks))
     with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, datadep, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live), gloo_buffers(backend == "gloo" and not cuda, largest), \
@@ -242,51 +250,30 @@ def _simulate(cfg, rank, steps, keep, thaw):
             for group in optimizer.param_groups:
                 if "foreach" in group:
                     group["foreach"] = True
-        peaks, segments = [], []
-        hooks = _watch_blocks(live, blocks)
+        peaks = []
+        hooks = recorder.install(live, blocks) if recorder else []
+        if recorder:
+            recorder.owners(model, blocks, optimizer)
         for step in range(steps):
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 template) for _ in range(cfg.accum_steps))
+            if recorder:
+                recorder.begin()
             with on_device(target), stage("the step"):
-                peak, cut = _one_step(cfg, step, live, model, wrapped, optimizer, batches,
-                                      buckets, as_real_for_transformers(real_batch))
+                peak = _one_step(cfg, step, live, model, wrapped, optimizer, batches,
+                                 buckets, as_real_for_transformers(real_batch), recorder)
             extra = cublas_workspaces(target) if target is not None else 0
             peaks.append(_plus(peak, extra))
-            segments.append({k: (v + extra, {**ledger, "other": ledger["other"] + extra})
-                             for k, (v, ledger) in cut.items()})
             zero_grad(optimizer)
         for h in hooks:
             h.remove()
+        live.observer = None
         loads = _loads(optimizer, model, cfg.world_size)
     assumed = tuple(datadep.lines()) + ((late_note(largest[0]),) if largest else ())
     for p in peaks:
         p.assumed = assumed
-    return Simulation(rank, peaks, loads, segments, assumed=assumed)
-
-
-def _first_tensor(values):
-    return next((t for t in tree_leaves(values) if isinstance(t, torch.Tensor)), None)
-
-
-def _watch_blocks(live, blocks):
-    """Points in the step where the blocks' forward ends (the last block's forward returns) and
-    their backward begins (the gradient of the last block's output arrives) and ends (the
-    gradient of the first block's input)."""
-    def after_last(module, args, out):
-        if live.phase != "forward":
-            return  # a checkpointed block run again inside the backward
-        live.point("blocks_forward_done")
-        t = _first_tensor(out)
-        if t is not None and t.requires_grad:
-            t.register_hook(lambda g: live.point("blocks_backward_start"))
-
-    def before_first(module, args, kwargs):
-        t = _first_tensor((args, kwargs))
-        if live.phase == "forward" and t is not None and t.requires_grad:
-            t.register_hook(lambda g: live.point("blocks_backward_end"))
-    return [blocks[-1].register_forward_hook(after_last),
-            blocks[0].register_forward_pre_hook(before_first, with_kwargs=True)]
+    return Simulation(rank, peaks, loads, assumed=assumed)
 
 
 def _loads(optimizer, model, world_size):
@@ -338,7 +325,8 @@ def _premade_mesh(cfg, ctx):
     return strategies.fsdp_mesh(ctx.device.type, cfg) if strategies.is_fsdp(cfg.strategy) else None
 
 
-def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real_transformers):
+def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real_transformers,
+              recorder=None):
     start = len(live.events)
     census = {"parameters": storages(model.parameters(), by="impl"),
               "gradients": storages((p.grad for p in model.parameters()), by="impl"),
@@ -366,26 +354,7 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
     seen = live.accumulations.seen_through(seen, start)
     events, totals = live.events[start:], live.totals[start:]
     peak = memory.summarize(events, totals, base, census, seen)
-    points = [(i - start, name) for i, name in live.points]
-    return peak, _segments(events, totals, points, memory.Ledger(
-        [e[:3] for e in events], base, census, seen))
-
-
-_AFTER = {"blocks_forward_done": "forward_head", "blocks_backward_start": "backward_blocks",
-          "blocks_backward_end": "backward_stem"}
-_FIRST = {"forward": "forward_blocks", "backward": "backward_head", "optimizer": "optimizer"}
-
-
-def _segments(events, totals, points, ledger):
-    """{segment: (highest total, ledger then)}: each phase cut at the blocks' points."""
-    best, segment, phase, p = {}, None, None, 0
-    for i, (event, total) in enumerate(zip(events, totals)):
-        if event[3] != phase:  # a new phase (or a new micro-step's): its first segment
-            phase = event[3]
-            segment = _FIRST.get(phase)
-        while p < len(points) and points[p][0] <= i:
-            segment = _AFTER.get(points[p][1], segment) if phase in _FIRST else segment
-            p += 1
-        if segment is not None and total > best.get(segment, (-1,))[0]:
-            best[segment] = (total, i)
-    return {name: (total, ledger.at(i)) for name, (total, i) in best.items()}
+    if recorder is not None:
+        recorder.end(start, events, [(i - start, name) for i, name in live.points],
+                     memory.Ledger([e[:3] for e in events], base, census, seen), census)
+    return peak

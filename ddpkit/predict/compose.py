@@ -1,0 +1,388 @@
+"""A rank's step composed from per-block pieces: real sizes at the speed of a slider (#45).
+
+A model's step runs the same few pieces again and again: each block's forward, its backward
+(with its region's recompute when checkpointed), the code between blocks, and in the optimizer
+step each block's parameters. `Library` simulates the model cut to `CUT` blocks per stack
+(`simulate.simulate` with a `pieces.Recorder`), once per *layout* of checkpoint states it needs,
+and keeps every piece's figures by where it ran: its stack, the block's **role** there (the
+first, the second, a middle one, the last: FSDP prefetches its neighbour, T5's first block has
+its own bias) and its **state** (plain, a region of one block, or the first, a middle or the last
+block of a longer region). `compose` then lays the pieces of any setting on any number of blocks
+end to end, as the rank runs them, and reads the step's peak off their running total: what was
+live at each piece's start plus its highest rise, the ledger with it. No new simulation is needed
+for a setting whose (role, state) pieces are in the library: a selective list on 80 blocks is
+arithmetic on a few hundred numbers.
+
+Composed = simulated whole, to the byte, where the pieces do not depend on anything but their
+own block (tests/test_compose.py holds it to the whole simulation for every kind of setting,
+DDP and FSDP, two stacks, accumulation). Two things reach across blocks, and are put where the
+rank puts them: what the model makes once for every block (a mask, positions: `shared`), freed
+by the last block that holds it, and what a checkpointed region holds for each of its blocks
+(the CPU generator's state), freed with the region. ZeRO-1's optimizer updates a partition of
+the parameters that depends on all of them: its optimizer step is carried along the line through
+cuts of `CUT` and `CUT + 1` blocks (said in the result).
+
+`Composition` (the result's ``composition``) is the interface a composed figure is read by:
+which cut simulations ran, and for each block of the model which simulated block's pieces it
+runs; the step-time prediction composes per-block times the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+from ..engine.memory import KINDS, PHASES, Peak, phase_of
+from ..engine.policies import CheckpointSetting
+from .pieces import Recorder, summarize
+
+CUT = 4
+"""Blocks per stack the library's simulations keep: the first, the second, a middle, the last."""
+_K = len(KINDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(CheckpointSetting):
+    """A checkpoint setting of explicit segments: ``layout`` [(start, stop, checkpointed)]
+    (a cut simulation's, which may hold regions no config value makes)."""
+    layout: tuple = ()
+
+    @property
+    def segments(self):
+        return list(self.layout) if self.layout else super().segments
+
+
+@dataclasses.dataclass
+class Composition:
+    """How a composed step was made. ``simulated``: each cut simulation run, as (blocks kept per
+    stack, its segments); ``carried``: for each block of the model, (stack, role, state) whose
+    pieces it runs, simulated in ``simulated[source]``; ``extrapolated``: figures that are no
+    simulated block's (ZeRO-1's optimizer step, along a line)."""
+    simulated: list
+    carried: list
+    extrapolated: list = dataclasses.field(default_factory=list)
+
+    def __str__(self):
+        runs = "; ".join(f"{k} blocks per stack, {_layout_text(s)}" for k, s in self.simulated)
+        text = f"composed from {len(self.simulated)} simulation(s) of the model cut ({runs})"
+        if self.extrapolated:
+            text += "; extrapolated: " + "; ".join(self.extrapolated)
+        return text
+
+
+def _layout_text(segments):
+    return ",".join(("C" if on else "P") * (b - a) if on and b - a == 1 else
+                    (f"[{'C' * (b - a)}]" if on else "P" * (b - a)) for a, b, on in segments)
+
+
+def role(i, n):
+    """A block's role in its stack of ``n``: 'first', 'second', 'last' or 'mid'."""
+    return "first" if i == 0 else "last" if i == n - 1 else "second" if i == 1 else "mid"
+
+
+def states(setting):
+    """Each block's checkpoint state: 'P' (plain), 'C1' (a region of its own), 'Cf', 'Cm',
+    'Cl' (the first, a middle, the last block of a longer region)."""
+    out = []
+    for a, b, on in setting.segments:
+        for j in range(a, b):
+            out.append("P" if not on else "C1" if b - a == 1 else
+                       "Cf" if j == a else "Cl" if j == b - 1 else "Cm")
+    return out
+
+
+def micro_class(m, count):
+    return 0 if m == 0 else "last" if m == count - 1 else "mid"
+
+
+class Library:
+    """The pieces of one config's rank (all of it but the checkpoint setting)."""
+
+    def __init__(self, cfg, rank, simulate):
+        self.cfg, self.rank, self.simulate = cfg, rank, simulate
+        self.stacks = list(cfg.stack_sizes) if cfg.stack_sizes else [cfg.n_blocks]
+        self.cut = [CUT] * len(self.stacks)
+        self.raw = {}         # key -> (phase, sizes, kinds) of a piece
+        self.shared = {}      # (key, offset) of a storage made outside the blocks -> its rule
+        self.covered = {}     # (stack, role, state) -> index into simulated
+        self.simulated = []   # (cut blocks per stack, segments)
+        self.skeletons = {}   # step -> [(phase, micro)] as the cut ran them
+        self.optimizer = {}   # step -> [(stack, role) or None, key]: the optimizer's runs
+        self.bases, self.loads, self.assumed = {}, {}, ()
+        self.lock = threading.RLock()
+
+    # ------------------------------------------------------------------ simulating
+    def _cut_blocks(self):
+        out, start = [], 0
+        for s, k in enumerate(self.cut):
+            out += [(s, role(i, k)) for i in range(k)]
+            start += k
+        return out
+
+    def need(self, setting):
+        """Simulate the cut layouts that bring every (stack, role, state) of ``setting``."""
+        missing = {(s, r, st) for (s, r), st in zip(self._where(setting), states(setting))
+                   if (s, r, st) not in self.covered}
+        while missing:
+            layout = max(_candidates(self.cut), key=lambda lay: len(
+                missing & set(self._coverage(lay))))
+            got = set(self._coverage(layout)) & missing
+            if not got:
+                raise ValueError(f"no cut layout brings {sorted(missing)}")
+            self.add(layout)
+            missing -= got
+
+    def _where(self, setting):
+        out = []
+        for s, n in enumerate(self.stacks):
+            out += [(s, role(i, n)) for i in range(n)]
+        return out
+
+    def _coverage(self, segments):
+        cut = Layout(None, sum(self.cut), tuple(self.cut), layout=tuple(segments))
+        return [(s, r, st) for (s, r), st in zip(self._cut_blocks(), states(cut))]
+
+    def add(self, segments):
+        """Simulate the model cut to `CUT` blocks per stack with ``segments``; keep its pieces."""
+        with self.lock:
+            setting = Layout(None, sum(self.cut), tuple(self.cut) if len(self.cut) > 1 else (),
+                             layout=tuple(segments))
+            bounds, start = [], 0
+            for k in self.cut:
+                bounds.append((start, start + k))
+                start += k
+            rec = Recorder(bounds)
+            cfg = self.cfg.replace(accum_steps=min(self.cfg.accum_steps, 3))
+            sim = self.simulate(cfg, self.rank, keep=tuple(self.cut) if len(self.cut) > 1 else
+                                self.cut[0], setting=setting, recorder=rec)
+            index = len(self.simulated)
+            self.simulated.append((tuple(self.cut), tuple(segments)))
+            self.assumed = sim.assumed
+            where, st = self._cut_blocks(), states(setting)
+            for b, (s, r) in enumerate(where):
+                self.covered.setdefault((s, r, st[b]), index)
+            self._keep(rec, where, st, cfg.accum_steps, sim)
+
+    def _keep(self, rec, where, st, accum, sim):
+        for step, (pieces, shared) in enumerate(rec.steps):
+            skeleton, optimizer, keys = [], [], []
+            for (phase, micro, kind, block), _, sizes, kinds in pieces:
+                mc = micro_class(micro, accum) if phase != "optimizer" else 0
+                if kind in ("start", "begin") or (phase is None and kind.startswith("after")) \
+                        or (phase == "optimizer" and skeleton[-1][0] != "optimizer"):
+                    skeleton.append((phase, micro, kind))
+                at = (None, None) if block is None else where[block]
+                key = (step, phase, mc, kind, *at, None if block is None else st[block])
+                keys.append(key)
+                if phase == "optimizer":  # in order: a block's runs come back per foreach op
+                    optimizer.append((None if block is None else at,
+                                      summarize(sizes, kinds, phase)))
+                else:
+                    self.raw[key] = (phase, sizes, kinds)
+            for made, size, kind, freed in shared:
+                self._shared(keys[made[0]], made[1], size, kind, keys[freed[0]], freed[1])
+            self.skeletons[step] = skeleton
+            self.optimizer[step] = optimizer
+            base = rec.bases[step]
+            self.bases[step] = {None if b is None else where[b]: v for b, v in base.items()}
+        self.loads = {None if b is None else where[b]: v
+                      for b, v in rec.loads(self.cfg.world_size).items()}
+
+    def _shared(self, made, offset, size, kind, freed, at):
+        """What the model made outside the blocks, freed by its last holder: by the state of the
+        block that held it last (the lowest-numbered holder, the last the backward meets), or
+        where nothing held it."""
+        rule = self.shared.setdefault((made, offset), {"size": size, "held": {},
+                                                       "unheld": None})
+        # what it is (an activation where a block keeps it, else a temporary) goes with who
+        # held it: ``kind`` is put on its allocation and its free alike
+        if freed[1] == "backward" and freed[3] in ("B", "R", "r"):  # a block let it go
+            rule["held"].setdefault(freed[6], (freed[:4], at, kind))
+        else:
+            rule["unheld"] = (freed, at, kind)
+
+    def _piece(self, key, changes=()):
+        """The `Piece` at ``key`` with ``changes``: frees put in, [(offset, -bytes, kind)], or
+        an allocation's kind set, [(offset, None, kind)]."""
+        raw = self.raw.get(key)
+        if raw is None:
+            return None
+        phase, sizes, kinds = raw
+        if changes:
+            sizes, kinds = list(sizes), list(kinds)
+            for offset, size, kind in sorted(changes, key=lambda c: (-c[0], c[1] is None)):
+                if size is None:
+                    kinds[offset] = kind
+                else:
+                    sizes.insert(min(offset, len(sizes)), size)
+                    kinds.insert(min(offset, len(kinds)), kind)
+        return summarize(sizes, kinds, phase)
+
+    # ------------------------------------------------------------------ composing
+    def compose(self, setting):
+        """The `Simulation` of ``setting`` on the whole model, from the library's pieces."""
+        from .simulate import Simulation
+
+        with self.lock:
+            self.need(setting)
+            where, st = self._where(setting), states(setting)
+            peaks = [self._step(step, setting, where, st) for step in sorted(self.skeletons)]
+            carried = [(s, r, x, self.covered[s, r, x]) for (s, r), x in zip(where, st)]
+            comp = Composition(list(self.simulated), carried)
+            loads = self._loads(where)
+        for p in peaks:
+            p.assumed = self.assumed
+        return Simulation(self.rank, peaks, loads, how="composed", assumed=self.assumed,
+                          composition=comp)
+
+    def _loads(self, where):
+        total = list(self.loads.get(None, [0] * self.cfg.world_size))
+        for w in where:
+            total = [a + b for a, b in zip(total, self.loads.get(w, [0] * len(total)))]
+        return total
+
+    def _step(self, step, setting, where, st):
+        base = list(self.bases[step].get(None, (0,) * _K))
+        for w in where:
+            base = [a + b for a, b in zip(base, self.bases[step].get(w, (0,) * _K))]
+        walk, frees = _Walk(base), self._frees(step, where, st)
+        for phase, micro, tag in self._skeleton(step):
+            mc = micro_class(micro, self.cfg.accum_steps) if phase != "optimizer" else 0
+            if phase == "optimizer":
+                self._optimizer(walk, step, where)
+                continue
+            for kind, b in self._order(phase, tag, setting, where, st):
+                at = (None, None) if b is None else where[b]
+                key = (step, phase, mc, kind, *at, None if b is None else st[b])
+                walk.add(self._piece(key, frees.get((key, b), ())), phase)
+        return walk.peak()
+
+    def _frees(self, step, where, st):
+        """{(piece key, block): frees to put in}: each shared storage freed by the lowest block
+        whose state holds it, else where nothing held it."""
+        out = {}
+        for (made, offset), rule in self.shared.items():
+            home = None if made[4] is None else where.index(made[4:6])
+            if made[0] != step or (home is not None and st[home] != made[6]):
+                continue  # another step's, or made by a block of another state
+            holder = next((b for b, x in enumerate(st) if x in rule["held"]), None)
+            if holder is None:
+                if rule["unheld"] is None:
+                    continue
+                key, at, kind = rule["unheld"]
+                place = (key, None if key[4] is None else where.index(key[4:6]))
+            else:
+                name, at, kind = rule["held"][st[holder]]
+                place = ((*name, *where[holder], st[holder]), holder)
+            out.setdefault(place, []).append((at, -rule["size"], kind))
+            out.setdefault((made, home), []).append((offset, None, kind))
+        return out
+
+    def _skeleton(self, step):
+        """The cut's phases in order, its micro-steps laid out for the config's count: the
+        first, the middle one for each in between, the last; then the optimizer step."""
+        accum, cut = self.cfg.accum_steps, min(self.cfg.accum_steps, 3)
+        entries = self.skeletons[step]
+        opt = next((i for i, (phase, _, _) in enumerate(entries) if phase == "optimizer"),
+                   len(entries))
+        out = []
+        for m in range(accum):
+            source = 0 if m == 0 else cut - 1 if m == accum - 1 else 1
+            out += [(phase, m, tag) for phase, micro, tag in entries[:opt] if micro == source]
+        return out + [(phase, accum - 1, tag) for phase, _, tag in entries[opt:]]
+
+    def _order(self, phase, tag, setting, where, st):
+        """The pieces of one phase of one micro-step, in the order the rank runs them."""
+        yield tag, None
+        if phase == "forward":
+            for b in range(len(where)):
+                yield "F", b
+                yield "G", b
+        elif phase == "backward":
+            firsts = set(itertools.accumulate([0] + self.stacks[:-1]))
+            region = {b - 1: a for a, b in setting.regions}  # region's last block -> its first
+            for b in reversed(range(len(where))):
+                yield "B", b
+                if b in region:
+                    for j in range(region[b], b + 1):
+                        yield "R", j
+                    yield "r", b
+                if b in firsts:
+                    yield "H", b
+
+    def _optimizer(self, walk, step, where):
+        """The cut's optimizer runs, each block's as many times as the model has such blocks."""
+        count = {}
+        for w in where:
+            count[w] = count.get(w, 0) + 1
+        runs, i = self.optimizer[step], 0
+        while i < len(runs):
+            at, piece = runs[i]
+            if at is None:
+                walk.add(piece, "optimizer")
+                i += 1
+                continue
+            span = []  # a stretch of block runs, in block order
+            while i < len(runs) and runs[i][0] is not None:
+                span.append(runs[i])
+                i += 1
+            for w in _in_order(where):
+                for _ in range(count[w]):
+                    for at2, piece2 in span:
+                        if at2 == w:
+                            walk.add(piece2, "optimizer")
+
+
+def _in_order(where):
+    seen, out = set(), []
+    for w in where:
+        if w not in seen:
+            seen.add(w)
+            out.append(w)
+    return out
+
+
+class _Walk:
+    """The running total over composed pieces: the step's peak, its phase and ledger."""
+
+    def __init__(self, base):
+        self.level = list(base)
+        self.base = sum(base)
+        self.total = self.base
+        self.best, self.by_phase = None, {}
+
+    def add(self, piece, phase):
+        if piece is None or not piece.events:
+            return
+        top = self.total + piece.rise
+        if phase in PHASES:
+            self.by_phase[phase] = max(self.by_phase.get(phase, top), top)
+            if self.best is None or top > self.best[0]:
+                self.best = (top, [a + b for a, b in zip(self.level, piece.at_rise)])
+        self.level = [a + b for a, b in zip(self.level, piece.net)]
+        self.total += sum(piece.net)
+
+    def peak(self):
+        by_phase = {p: self.by_phase[p] for p in PHASES if p in self.by_phase}
+        ledger = dict(zip(KINDS, self.best[1]))
+        return Peak(self.best[0], phase_of(by_phase), ledger, by_phase, base=self.base)
+
+
+def _candidates(cut):
+    """Cut layouts to choose from: every way to lay checkpointed regions and plain blocks on
+    ``cut`` blocks per stack (the same in each stack)."""
+    k = cut[0]
+    out = []
+    for splits in itertools.product((False, True), repeat=k - 1):
+        bounds = [0] + [i + 1 for i, s in enumerate(splits) if s] + [k]
+        parts = list(zip(bounds, bounds[1:]))
+        for ons in itertools.product((False, True), repeat=len(parts)):
+            if any(not on and b - a > 1 for (a, b), on in zip(parts, ons)):
+                continue  # a plain stretch is plain blocks one by one
+            one = [(a, b, on) for (a, b), on in zip(parts, ons)]
+            segments, start = [], 0
+            for n in cut:
+                segments += [(a + start, b + start, on) for a, b, on in one if b <= n]
+                start += n
+            out.append(tuple(segments))
+    return out
