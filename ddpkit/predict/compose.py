@@ -34,6 +34,7 @@ import threading
 
 from ..engine.memory import KINDS, PHASES, Peak, phase_of
 from ..engine.policies import CheckpointSetting
+from ..engine.strategies import is_fsdp
 from .pieces import Recorder, summarize
 
 CUT = 4
@@ -80,15 +81,37 @@ def role(i, n):
     return "first" if i == 0 else "last" if i == n - 1 else "second" if i == 1 else "mid"
 
 
-def states(setting):
-    """Each block's checkpoint state: 'P' (plain), 'C1' (a region of its own), 'Cf', 'Cm',
-    'Cl' (the first, a middle, the last block of a longer region)."""
-    out = []
-    for a, b, on in setting.segments:
+def states(setting, fine=False):
+    """Each block's checkpoint state: 'P' (plain); 'C1' (a region of its own); in a longer
+    region 'Cf' (the first), 'Cm' (a middle one), 'Cl' (the last), and '>' after the one the
+    last block's backward prefetches (the second to last: 'Cf>' in a region of two, or 'Cm>').
+    ``fine`` (FSDP, whose recompute gathers blocks its backward would prefetch): a region's
+    blocks also say its length (2, 3, 4 or more) and the first and last what is next to the
+    region ('-': nothing, else the neighbour's state)."""
+    out, segs = [], setting.segments
+    for n, (a, b, on) in enumerate(segs):
         for j in range(a, b):
-            out.append("P" if not on else "C1" if b - a == 1 else
-                       "Cf" if j == a else "Cl" if j == b - 1 else "Cm")
+            if not on or b - a == 1:
+                out.append("P" if not on else "C1")
+                continue
+            x = "Cf" if j == a else "Cl" if j == b - 1 else "Cm"
+            x += ">" if j == b - 2 else ""
+            if fine:
+                x += f"{min(b - a, 4)}"
+                if j == a:
+                    x += "|" + _outside_state(segs, n - 1, last=True)
+                if j == b - 1:
+                    x += "|" + _outside_state(segs, n + 1, last=False)
+            out.append(x)
     return out
+
+
+def _outside_state(segs, n, last):
+    """The state of the block next to a region: of segment ``n``'s last (or first) block."""
+    if not 0 <= n < len(segs):
+        return "-"
+    a, b, on = segs[n]
+    return "P" if not on else "C1" if b - a == 1 else "Cl" if last else "Cf"
 
 
 def micro_class(m, count):
@@ -101,9 +124,11 @@ class Library:
     def __init__(self, cfg, rank, simulate):
         self.cfg, self.rank, self.simulate = cfg, rank, simulate
         self.stacks = list(cfg.stack_sizes) if cfg.stack_sizes else [cfg.n_blocks]
-        self.cut = [CUT] * len(self.stacks)
+        self.fine = is_fsdp(cfg.strategy)  # regions' blocks told apart by length and neighbours
+        self._covers, self._all = {}, None
         self.raw = {}         # key -> (phase, sizes, kinds) of a piece
         self.shared = {}      # (key, offset) of a storage made outside the blocks -> its rule
+        self.held = {}        # (key, offset, first's state) of a region's -> where it frees
         self.covered = {}     # (stack, role, state) -> index into simulated
         self.simulated = []   # (cut blocks per stack, segments)
         self.skeletons = {}   # step -> [(phase, micro)] as the cut ran them
@@ -112,25 +137,28 @@ class Library:
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ simulating
-    def _cut_blocks(self):
-        out, start = [], 0
-        for s, k in enumerate(self.cut):
-            out += [(s, role(i, k)) for i in range(k)]
-            start += k
-        return out
+    def _cut_blocks(self, k):
+        return [(s, role(i, k)) for s in range(len(self.stacks)) for i in range(k)]
 
     def need(self, setting):
-        """Simulate the cut layouts that bring every (stack, role, state) of ``setting``."""
-        missing = {(s, r, st) for (s, r), st in zip(self._where(setting), states(setting))
-                   if (s, r, st) not in self.covered}
+        """Simulate the cut layouts that bring every (stack, role, state) of ``setting``:
+        greedily, the layout that brings the most of those missing, the smaller cut first."""
+        missing = {(s, r, x) for (s, r), x in zip(self._where(setting), states(setting, self.fine))
+                   if (s, r, x) not in self.covered}
         while missing:
-            layout = max(_candidates(self.cut), key=lambda lay: len(
-                missing & set(self._coverage(lay))))
-            got = set(self._coverage(layout)) & missing
+            k, layout = max(self._candidates(), key=lambda c: (
+                len(missing & set(self._coverage(*c))), -c[0]))
+            got = set(self._coverage(k, layout)) & missing
             if not got:
                 raise ValueError(f"no cut layout brings {sorted(missing)}")
-            self.add(layout)
+            self.add(layout, k)
             missing -= got
+
+    def _candidates(self):
+        if self._all is None:
+            self._all = [(k, lay) for k in (CUT, CUT + 2) for lay in _candidates(k, len(self.stacks))]
+            self._all += [(k, lay) for k in (CUT + 4,) for lay in _segment_like(k, len(self.stacks))]
+        return self._all
 
     def _where(self, setting):
         out = []
@@ -138,32 +166,35 @@ class Library:
             out += [(s, role(i, n)) for i in range(n)]
         return out
 
-    def _coverage(self, segments):
-        cut = Layout(None, sum(self.cut), tuple(self.cut), layout=tuple(segments))
-        return [(s, r, st) for (s, r), st in zip(self._cut_blocks(), states(cut))]
+    def _coverage(self, k, segments):
+        hit = self._covers.get((k, segments))
+        if hit is None:
+            cut = Layout(None, k * len(self.stacks), (k,) * len(self.stacks),
+                         layout=tuple(segments))
+            hit = self._covers[k, segments] = [
+                (s, r, x) for (s, r), x in zip(self._cut_blocks(k), states(cut, self.fine))]
+        return hit
 
-    def add(self, segments):
-        """Simulate the model cut to `CUT` blocks per stack with ``segments``; keep its pieces."""
+    def add(self, segments, k=CUT):
+        """Simulate the model cut to ``k`` blocks per stack with ``segments``; keep its pieces."""
         with self.lock:
-            setting = Layout(None, sum(self.cut), tuple(self.cut) if len(self.cut) > 1 else (),
+            cut = [k] * len(self.stacks)
+            setting = Layout(None, sum(cut), tuple(cut) if len(cut) > 1 else (),
                              layout=tuple(segments))
-            bounds, start = [], 0
-            for k in self.cut:
-                bounds.append((start, start + k))
-                start += k
-            rec = Recorder(bounds)
+            first = {j: a for a, b in setting.regions for j in range(a, b)}
+            rec = Recorder([(s * k, (s + 1) * k) for s in range(len(cut))], first)
             cfg = self.cfg.replace(accum_steps=min(self.cfg.accum_steps, 3))
-            sim = self.simulate(cfg, self.rank, keep=tuple(self.cut) if len(self.cut) > 1 else
-                                self.cut[0], setting=setting, recorder=rec)
+            sim = self.simulate(cfg, self.rank, keep=tuple(cut) if len(cut) > 1 else k,
+                                setting=setting, recorder=rec)
             index = len(self.simulated)
-            self.simulated.append((tuple(self.cut), tuple(segments)))
+            self.simulated.append((tuple(cut), tuple(segments)))
             self.assumed = sim.assumed
-            where, st = self._cut_blocks(), states(setting)
+            where, st = self._cut_blocks(k), states(setting, self.fine)
             for b, (s, r) in enumerate(where):
                 self.covered.setdefault((s, r, st[b]), index)
-            self._keep(rec, where, st, cfg.accum_steps, sim)
+            self._keep(rec, where, st, cfg.accum_steps, setting)
 
-    def _keep(self, rec, where, st, accum, sim):
+    def _keep(self, rec, where, st, accum, setting):
         for step, (pieces, shared) in enumerate(rec.steps):
             skeleton, optimizer, keys = [], [], []
             for (phase, micro, kind, block), _, sizes, kinds in pieces:
@@ -179,8 +210,16 @@ class Library:
                                       summarize(sizes, kinds, phase)))
                 else:
                     self.raw[key] = (phase, sizes, kinds)
+            first = {j: a for a, b in setting.regions for j in range(a, b)}
             for made, size, kind, freed in shared:
-                self._shared(keys[made[0]], made[1], size, kind, keys[freed[0]], freed[1])
+                made_key, freed_key = keys[made[0]], keys[freed[0]]
+                name = pieces[made[0]][0]
+                if name[2] == "F" and first.get(name[3], name[3]) != name[3]:  # the region's
+                    back = len(self.raw[freed_key][1]) - freed[1]  # from the piece's end
+                    self.held.setdefault((made_key, made[1]), {}).setdefault(
+                        freed_key[6], (freed_key[:4], back, size, kind))
+                    continue
+                self._shared(made_key, made[1], size, kind, freed_key, freed[1])
             self.skeletons[step] = skeleton
             self.optimizer[step] = optimizer
             base = rec.bases[step]
@@ -196,10 +235,11 @@ class Library:
                                                        "unheld": None})
         # what it is (an activation where a block keeps it, else a temporary) goes with who
         # held it: ``kind`` is put on its allocation and its free alike
+        back = len(self.raw[freed][1]) - at  # from the piece's end: what a region frees
         if freed[1] == "backward" and freed[3] in ("B", "R", "r"):  # a block let it go
-            rule["held"].setdefault(freed[6], (freed[:4], at, kind))
+            rule["held"].setdefault(freed[6], (freed[:4], back, kind))
         else:
-            rule["unheld"] = (freed, at, kind)
+            rule["unheld"] = (freed, back, kind)
 
     def _piece(self, key, changes=()):
         """The `Piece` at ``key`` with ``changes``: frees put in, [(offset, -bytes, kind)], or
@@ -210,6 +250,9 @@ class Library:
         phase, sizes, kinds = raw
         if changes:
             sizes, kinds = list(sizes), list(kinds)
+            n = len(sizes)  # a negative offset counts from the piece's end
+            changes = [(o if o >= 0 or size is None else max(n + o, 0), size, kind)
+                       for o, size, kind in changes]
             for offset, size, kind in sorted(changes, key=lambda c: (-c[0], c[1] is None)):
                 if size is None:
                     kinds[offset] = kind
@@ -225,7 +268,10 @@ class Library:
 
         with self.lock:
             self.need(setting)
-            where, st = self._where(setting), states(setting)
+            if any(r["unheld"] is None and not set(r["held"]) & set(states(setting, self.fine))
+                   for r in self.shared.values()):
+                self.add(tuple((a, a + 1, False) for a in range(CUT * len(self.stacks))), CUT)
+            where, st = self._where(setting), states(setting, self.fine)
             peaks = [self._step(step, setting, where, st) for step in sorted(self.skeletons)]
             carried = [(s, r, x, self.covered[s, r, x]) for (s, r), x in zip(where, st)]
             comp = Composition(list(self.simulated), carried)
@@ -245,6 +291,7 @@ class Library:
         base = list(self.bases[step].get(None, (0,) * _K))
         for w in where:
             base = [a + b for a, b in zip(base, self.bases[step].get(w, (0,) * _K))]
+        self._regions = setting.regions
         walk, frees = _Walk(base), self._frees(step, where, st)
         for phase, micro, tag in self._skeleton(step):
             mc = micro_class(micro, self.cfg.accum_steps) if phase != "optimizer" else 0
@@ -274,8 +321,18 @@ class Library:
             else:
                 name, at, kind = rule["held"][st[holder]]
                 place = ((*name, *where[holder], st[holder]), holder)
-            out.setdefault(place, []).append((at, -rule["size"], kind))
+            out.setdefault(place, []).append((-at, -rule["size"], kind))
             out.setdefault((made, home), []).append((offset, None, kind))
+        for a, b in self._regions:  # what each block of a region keeps, freed with the region
+            for j in range(a + 1, b):
+                for (key, _), by_first in self.held.items():
+                    if key[0] == step and key[3] == "F" and key[4:] == (*where[j], st[j]):
+                        # where the region's first block frees it (as seen with a first of
+                        # that state, else of another: the same free, at the piece's end)
+                        name, back, size, kind = by_first.get(st[a]) or \
+                            next(iter(by_first.values()))
+                        place = ((*name, *where[a], st[a]), a)
+                        out.setdefault(place, []).append((-back, -size, kind))
         return out
 
     def _skeleton(self, step):
@@ -326,11 +383,16 @@ class Library:
             while i < len(runs) and runs[i][0] is not None:
                 span.append(runs[i])
                 i += 1
+            # each role's run in this stretch; of several blocks of one role (the cut's
+            # middle ones) the first follows another role, the later ones follow their like
+            runs_of = {}
+            for at2, piece2 in span:
+                runs_of.setdefault(at2, []).append(piece2)
             for w in _in_order(where):
-                for _ in range(count[w]):
-                    for at2, piece2 in span:
-                        if at2 == w:
-                            walk.add(piece2, "optimizer")
+                got = runs_of.get(w, [])
+                for n in range(count[w]):
+                    if got:
+                        walk.add(got[0] if n == 0 else got[-1], "optimizer")
 
 
 def _in_order(where):
@@ -368,10 +430,24 @@ class _Walk:
         return Peak(self.best[0], phase_of(by_phase), ledger, by_phase, base=self.base)
 
 
-def _candidates(cut):
+def _segment_like(k, stacks=1):
+    """Cut layouts as int settings make them, with room around: ``p`` plain blocks, regions of
+    ``L`` blocks back to back, plain to the end."""
+    out = []
+    for p in range(3):
+        for size in range(2, 6):
+            for count in range(1, (k - p) // size + 1):
+                one = [(i, i + 1, False) for i in range(p)]
+                one += [(p + r * size, p + (r + 1) * size, True) for r in range(count)]
+                one += [(i, i + 1, False) for i in range(p + count * size, k)]
+                out.append(tuple((a + s * k, b + s * k, on) for s in range(stacks)
+                                 for a, b, on in one))
+    return out
+
+
+def _candidates(k, stacks=1):
     """Cut layouts to choose from: every way to lay checkpointed regions and plain blocks on
-    ``cut`` blocks per stack (the same in each stack)."""
-    k = cut[0]
+    ``k`` blocks, the same in each of ``stacks`` stacks."""
     out = []
     for splits in itertools.product((False, True), repeat=k - 1):
         bounds = [0] + [i + 1 for i, s in enumerate(splits) if s] + [k]
@@ -379,10 +455,6 @@ def _candidates(cut):
         for ons in itertools.product((False, True), repeat=len(parts)):
             if any(not on and b - a > 1 for (a, b), on in zip(parts, ons)):
                 continue  # a plain stretch is plain blocks one by one
-            one = [(a, b, on) for (a, b), on in zip(parts, ons)]
-            segments, start = [], 0
-            for n in cut:
-                segments += [(a + start, b + start, on) for a, b, on in one if b <= n]
-                start += n
-            out.append(tuple(segments))
+            out.append(tuple((a + s * k, b + s * k, on) for s in range(stacks)
+                             for (a, b), on in zip(parts, ons)))
     return out

@@ -61,8 +61,9 @@ class Recorder:
     list of ``(key, Piece)`` in the order they ran; ``bases[s]``: bytes by kind live when step
     s began; ``owners``: block of each parameter, for the optimizer step)."""
 
-    def __init__(self, stacks):
+    def __init__(self, stacks, region_of=None):
         self.stacks = stacks  # [(first block, stop)] of each stack, blocks counted over all
+        self.region_of = region_of or {}  # block -> first block of its checkpointed region
         self.steps, self.bases = [], []
         self.live = None
         self.owner_of = {}  # storage key -> block (parameters, gradients, optimizer state)
@@ -214,13 +215,22 @@ class Recorder:
                     home[key] = (at, len(sizes))
                 else:
                     made = home.pop(key, None)
-                    if made is not None and made[0] != at and _outside(pieces[made[0]][0]):
+                    if made is not None and made[0] != at and \
+                            self._left_out(pieces[made[0]][0], name):
                         shared.append((made, -size, kinds[i], (at, len(sizes))))
                         continue
                 sizes.append(size)
                 kind_of.append(kinds[i])
             pieces.append((name, events[a][3], sizes, kind_of))
         self.steps.append((pieces, shared))
+
+    def _left_out(self, made, freed):
+        """Is this a storage whose free depends on other blocks: made outside the blocks'
+        forward, or by a block of a region and freed with the region (by its first block)?"""
+        if _outside(made):
+            return True
+        block, first = made[3], self.region_of.get(made[3])
+        return made[2] == "F" and first is not None and first != block and freed[3] == first
 
     def _optimizer_runs(self, a, b, events, kinds, start):
         """The optimizer step as runs of one block's tensors (``O``) or the ends' (``o``): a
@@ -236,14 +246,18 @@ class Recorder:
         for j in reversed(range(len(who) - 1)):
             if who[j] is None:
                 who[j] = who[j + 1]
-        out, run = [], []
+        # a new run where an allocation is another owner's: a block's run also frees what the
+        # block before left (the step repeats block after block)
+        out, run, owner = [], [], None
         for j, i in enumerate(range(a, b)):
-            if run and who[j] != who[j - 1]:
-                out.append(self._run(who[j - 1], run, events, kinds))
+            if run and events[i][0] > 0 and who[j] != owner:
+                out.append(self._run(owner, run, events, kinds))
                 run = []
+            if not run:
+                owner = who[j]
             run.append(i)
         if run:
-            out.append(self._run(who[-1], run, events, kinds))
+            out.append(self._run(owner, run, events, kinds))
         return out
 
     def _run(self, owner, run, events, kinds):
