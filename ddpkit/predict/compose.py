@@ -155,9 +155,12 @@ class Library:
             missing -= got
 
     def _candidates(self):
-        if self._all is None:
-            self._all = [(k, lay) for k in (CUT, CUT + 2) for lay in _candidates(k, len(self.stacks))]
-            self._all += [(k, lay) for k in (CUT + 4,) for lay in _segment_like(k, len(self.stacks))]
+        if self._all is None:  # no cut longer than the shortest stack
+            most = min(self.stacks)
+            self._all = [(k, lay) for k in (CUT, CUT + 2) if k <= most
+                         for lay in _candidates(k, len(self.stacks))]
+            self._all += [(k, lay) for k in (CUT + 4,) if k <= most
+                          for lay in _segment_like(k, len(self.stacks))]
         return self._all
 
     def _where(self, setting):
@@ -219,7 +222,8 @@ class Library:
                     self.held.setdefault((made_key, made[1]), {}).setdefault(
                         freed_key[6], (freed_key[:4], back, size, kind))
                     continue
-                self._shared(made_key, made[1], size, kind, freed_key, freed[1])
+                self._shared(made_key, made[1], size, kind, freed_key, freed[1],
+                             by_maker=name[3] is not None and pieces[freed[0]][0][3] == name[3])
             self.skeletons[step] = skeleton
             self.optimizer[step] = optimizer
             base = rec.bases[step]
@@ -227,17 +231,20 @@ class Library:
         self.loads = {None if b is None else where[b]: v
                       for b, v in rec.loads(self.cfg.world_size).items()}
 
-    def _shared(self, made, offset, size, kind, freed, at):
+    def _shared(self, made, offset, size, kind, freed, at, by_maker=False):
         """What the model made outside the blocks, freed by its last holder: by the state of the
         block that held it last (the lowest-numbered holder, the last the backward meets), or
         where nothing held it."""
         rule = self.shared.setdefault((made, offset), {"size": size, "held": {},
-                                                       "unheld": None})
+                                                       "unheld": None, "maker": None})
         # what it is (an activation where a block keeps it, else a temporary) goes with who
         # held it: ``kind`` is put on its allocation and its free alike
         back = len(self.raw[freed][1]) - at  # from the piece's end: what a region frees
-        if freed[1] == "backward" and freed[3] in ("B", "R", "r"):  # a block let it go
-            rule["held"].setdefault(freed[6], (freed[:4], back, kind))
+        if by_maker and freed[1] == "backward":  # the block that made it saved it too
+            rule["maker"] = (freed[:4], back, kind)
+        elif freed[1] == "backward" and freed[3] in ("B", "R", "r"):  # a block let it go
+            rule["held"].setdefault((freed[4], freed[6]), {}).setdefault(
+                freed[5], (freed[:4], back, kind))
         else:
             rule["unheld"] = (freed, back, kind)
 
@@ -268,7 +275,8 @@ class Library:
 
         with self.lock:
             self.need(setting)
-            if any(r["unheld"] is None and not set(r["held"]) & set(states(setting, self.fine))
+            mine = set(zip((w[0] for w in self._where(setting)), states(setting, self.fine)))
+            if any(r["unheld"] is None and not set(r["held"]) & mine
                    for r in self.shared.values()):
                 self.add(tuple((a, a + 1, False) for a in range(CUT * len(self.stacks))), CUT)
             where, st = self._where(setting), states(setting, self.fine)
@@ -312,14 +320,21 @@ class Library:
             home = None if made[4] is None else where.index(made[4:6])
             if made[0] != step or (home is not None and st[home] != made[6]):
                 continue  # another step's, or made by a block of another state
-            holder = next((b for b, x in enumerate(st) if x in rule["held"]), None)
-            if holder is None:
+            # held by the blocks after the one that made it (whose own region holds only its
+            # inputs): the lowest of them lets it go last
+            holder = next((b for b, x in enumerate(st) if (home is None or b > home)
+                           and (where[b][0], x) in rule["held"]), None)
+            if home is not None and rule["maker"] is not None:  # its maker keeps it last
+                name, at, kind = rule["maker"]
+                place = ((*name, *where[home], st[home]), home)
+            elif holder is None:
                 if rule["unheld"] is None:
                     continue
                 key, at, kind = rule["unheld"]
                 place = (key, None if key[4] is None else where.index(key[4:6]))
             else:
-                name, at, kind = rule["held"][st[holder]]
+                by_role = rule["held"][where[holder][0], st[holder]]
+                name, at, kind = by_role.get(where[holder][1]) or next(iter(by_role.values()))
                 place = ((*name, *where[holder], st[holder]), holder)
             out.setdefault(place, []).append((-at, -rule["size"], kind))
             out.setdefault((made, home), []).append((offset, None, kind))

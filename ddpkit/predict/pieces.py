@@ -87,6 +87,10 @@ class Recorder:
     def _pre(self, i):
         def hook(module, args, kwargs):
             self.live.point(("F" if self.live.phase == "forward" else "R", i))
+            if self.live.phase == "forward":  # who is handed what (a tensor for all blocks?)
+                for t in tree_leaves((args, kwargs)):
+                    if isinstance(t, torch.Tensor):
+                        self.given.setdefault(t.untyped_storage()._cdata, set()).add(i)
         return hook
 
     def _input(self, i):  # after the other pre-hooks: the tensor the block really takes
@@ -140,7 +144,7 @@ class Recorder:
     def begin(self):
         """At a step's start: map the live parameters', gradients' and state's storages to
         their blocks (they move: FSDP reshards, zero_grad frees gradients)."""
-        self.owner_of, self.made_by = {}, {}
+        self.owner_of, self.made_by, self.given = {}, {}, {}
         for p in self.optimizer_params():
             block = self.param_owner.get(id(p))
             tensors = [p, p.grad, *(v for v in self.optimizer.state.get(p, {}).values()
@@ -216,7 +220,7 @@ class Recorder:
                 else:
                     made = home.pop(key, None)
                     if made is not None and made[0] != at and \
-                            self._left_out(pieces[made[0]][0], name):
+                            self._left_out(pieces[made[0]][0], name, key):
                         shared.append((made, -size, kinds[i], (at, len(sizes))))
                         continue
                 sizes.append(size)
@@ -224,13 +228,18 @@ class Recorder:
             pieces.append((name, events[a][3], sizes, kind_of))
         self.steps.append((pieces, shared))
 
-    def _left_out(self, made, freed):
+    def _left_out(self, made, freed, key):
         """Is this a storage whose free depends on other blocks: made outside the blocks'
-        forward, or by a block of a region and freed with the region (by its first block)?"""
+        forward, by a block for all that follow (T5's position bias: handed to two or more),
+        or by a block of a region and freed with the region (by its first block)?"""
         if _outside(made):
             return True
+        if made[0] != "forward" or made[2] != "F":
+            return False
         block, first = made[3], self.region_of.get(made[3])
-        return made[2] == "F" and first is not None and first != block and freed[3] == first
+        if first is not None and first != block and freed[3] == first:
+            return True  # a region's, freed with it
+        return len(self.given.get(key, set()) - {block}) > 1
 
     def _optimizer_runs(self, a, b, events, kinds, start):
         """The optimizer step as runs of one block's tensors (``O``) or the ends' (``o``): a
