@@ -88,9 +88,10 @@ class Recorder:
         def hook(module, args, kwargs):
             self.live.point(("F" if self.live.phase == "forward" else "R", i))
             if self.live.phase == "forward":  # who is handed what (a tensor for all blocks?)
+                at = len(self.live.events)
                 for t in tree_leaves((args, kwargs)):
                     if isinstance(t, torch.Tensor):
-                        self.given.setdefault(t.untyped_storage()._cdata, set()).add(i)
+                        self.given.append((t.untyped_storage()._cdata, at, i))
         return hook
 
     def _input(self, i):  # after the other pre-hooks: the tensor the block really takes
@@ -144,7 +145,7 @@ class Recorder:
     def begin(self):
         """At a step's start: map the live parameters', gradients' and state's storages to
         their blocks (they move: FSDP reshards, zero_grad frees gradients)."""
-        self.owner_of, self.made_by, self.given = {}, {}, {}
+        self.owner_of, self.made_by, self.given = {}, {}, []
         for p in self.optimizer_params():
             block = self.param_owner.get(id(p))
             tensors = [p, p.grad, *(v for v in self.optimizer.state.get(p, {}).values()
@@ -206,6 +207,10 @@ class Recorder:
         self.bases.append(self._by_block(ledger, census))
         kinds = event_kinds(ledger, events)
         pieces, home, shared = [], {}, []
+        first, by_key = len(self.live.events) - len(events), {}
+        for key, at, block in self.given:
+            by_key.setdefault(key, []).append((at - first, block))
+        self._handed = by_key
         for a, b, name in _cuts(events, points):
             if a == b:
                 continue
@@ -216,19 +221,25 @@ class Recorder:
             for i in range(a, b):
                 size, key = events[i][0], events[i][1]
                 if size > 0:
-                    home[key] = (at, len(sizes))
+                    home[key] = (at, len(sizes), i)
                 else:
                     made = home.pop(key, None)
                     if made is not None and made[0] != at and \
-                            self._left_out(pieces[made[0]][0], name, key):
-                        shared.append((made, -size, kinds[i], (at, len(sizes))))
+                            self._left_out(pieces[made[0]][0], name, self._blocks_given(
+                                key, made[2], i)):
+                        shared.append((made[:2], -size, kinds[i], (at, len(sizes))))
                         continue
                 sizes.append(size)
                 kind_of.append(kinds[i])
             pieces.append((name, events[a][3], sizes, kind_of))
         self.steps.append((pieces, shared))
 
-    def _left_out(self, made, freed, key):
+    def _blocks_given(self, key, born, died):
+        """The blocks that were handed the storage at ``key`` while it lived (event indexes
+        ``born`` to ``died``: an address is taken again once its storage has died)."""
+        return {block for at, block in self._handed.get(key, ()) if born <= at <= died}
+
+    def _left_out(self, made, freed, given):
         """Is this a storage whose free depends on other blocks: made outside the blocks'
         forward, by a block for all that follow (T5's position bias: handed to two or more),
         or by a block of a region and freed with the region (by its first block)?"""
@@ -239,7 +250,7 @@ class Recorder:
         block, first = made[3], self.region_of.get(made[3])
         if first is not None and first != block and freed[3] == first:
             return True  # a region's, freed with it
-        return len(self.given.get(key, set()) - {block}) > 1
+        return len(given - {block}) > 1
 
     def _optimizer_runs(self, a, b, events, kinds, start):
         """The optimizer step as runs of one block's tensors (``O``) or the ends' (``o``): a
