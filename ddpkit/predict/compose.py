@@ -33,24 +33,11 @@ import itertools
 import threading
 
 from ..engine.memory import KINDS, PHASES, Peak, phase_of
-from ..engine.policies import CheckpointSetting
 from ..engine.strategies import is_fsdp
-from .pieces import Recorder, summarize
+from .layouts import CUT, Layout, candidates, layout_text, micro_class, role, segment_like, states
+from .pieces import Piece, Recorder, summarize
 
-CUT = 4
-"""Blocks per stack the library's simulations keep: the first, the second, a middle, the last."""
 _K = len(KINDS)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout(CheckpointSetting):
-    """A checkpoint setting of explicit segments: ``layout`` [(start, stop, checkpointed)]
-    (a cut simulation's, which may hold regions no config value makes)."""
-    layout: tuple = ()
-
-    @property
-    def segments(self):
-        return list(self.layout) if self.layout else super().segments
 
 
 @dataclasses.dataclass
@@ -64,68 +51,25 @@ class Composition:
     extrapolated: list = dataclasses.field(default_factory=list)
 
     def __str__(self):
-        runs = "; ".join(f"{k} blocks per stack, {_layout_text(s)}" for k, s in self.simulated)
+        runs = "; ".join(f"{k} blocks per stack, {layout_text(s)}" for k, s in self.simulated)
         text = f"composed from {len(self.simulated)} simulation(s) of the model cut ({runs})"
         if self.extrapolated:
             text += "; extrapolated: " + "; ".join(self.extrapolated)
         return text
 
 
-def _layout_text(segments):
-    return ",".join(("C" if on else "P") * (b - a) if on and b - a == 1 else
-                    (f"[{'C' * (b - a)}]" if on else "P" * (b - a)) for a, b, on in segments)
-
-
-def role(i, n):
-    """A block's role in its stack of ``n``: 'first', 'second', 'last' or 'mid'."""
-    return "first" if i == 0 else "last" if i == n - 1 else "second" if i == 1 else "mid"
-
-
-def states(setting, fine=False):
-    """Each block's checkpoint state: 'P' (plain); 'C1' (a region of its own); in a longer
-    region 'Cf' (the first), 'Cm' (a middle one), 'Cl' (the last), and '>' after the one the
-    last block's backward prefetches (the second to last: 'Cf>' in a region of two, or 'Cm>').
-    ``fine`` (FSDP, whose recompute gathers blocks its backward would prefetch): a region's
-    blocks also say its length (2, 3, 4 or more) and the first and last what is next to the
-    region ('-': nothing, else the neighbour's state)."""
-    out, segs = [], setting.segments
-    for n, (a, b, on) in enumerate(segs):
-        for j in range(a, b):
-            if not on or b - a == 1:
-                out.append("P" if not on else "C1")
-                continue
-            x = "Cf" if j == a else "Cl" if j == b - 1 else "Cm"
-            x += ">" if j == b - 2 else ""
-            if fine:
-                x += f"{min(b - a, 4)}"
-                if j == a:
-                    x += "|" + _outside_state(segs, n - 1, last=True)
-                if j == b - 1:
-                    x += "|" + _outside_state(segs, n + 1, last=False)
-            out.append(x)
-    return out
-
-
-def _outside_state(segs, n, last):
-    """The state of the block next to a region: of segment ``n``'s last (or first) block."""
-    if not 0 <= n < len(segs):
-        return "-"
-    a, b, on = segs[n]
-    return "P" if not on else "C1" if b - a == 1 else "Cl" if last else "Cf"
-
-
-def micro_class(m, count):
-    return 0 if m == 0 else "last" if m == count - 1 else "mid"
-
-
 class Library:
     """The pieces of one config's rank (all of it but the checkpoint setting)."""
 
     def __init__(self, cfg, rank, simulate):
-        self.cfg, self.rank, self.simulate = cfg, rank, simulate
+        self.cfg, self.rank, self.simulate = cfg.replace(checkpoint=None), rank, simulate
         self.stacks = list(cfg.stack_sizes) if cfg.stack_sizes else [cfg.n_blocks]
         self.fine = is_fsdp(cfg.strategy)  # regions' blocks told apart by length and neighbours
         self._covers, self._all = {}, None
+        # ZeRO-1 updates a partition of the parameters that depends on all of them: its state
+        # and optimizer step go along the line through two cuts (``per_cut``: k -> figures)
+        self.zero = cfg.optimizer == "zero1" or cfg.strategy == "ddp_zero1"
+        self.per_cut = {}
         self.raw = {}         # key -> (phase, sizes, kinds) of a piece
         self.shared = {}      # (key, offset) of a storage made outside the blocks -> its rule
         self.held = {}        # (key, offset, first's state) of a region's -> where it frees
@@ -158,9 +102,9 @@ class Library:
         if self._all is None:  # no cut longer than the shortest stack
             most = min(self.stacks)
             self._all = [(k, lay) for k in (CUT, CUT + 2) if k <= most
-                         for lay in _candidates(k, len(self.stacks))]
+                         for lay in candidates(k, len(self.stacks))]
             self._all += [(k, lay) for k in (CUT + 4,) if k <= most
-                          for lay in _segment_like(k, len(self.stacks))]
+                          for lay in segment_like(k, len(self.stacks))]
         return self._all
 
     def _where(self, setting):
@@ -195,9 +139,9 @@ class Library:
             where, st = self._cut_blocks(k), states(setting, self.fine)
             for b, (s, r) in enumerate(where):
                 self.covered.setdefault((s, r, st[b]), index)
-            self._keep(rec, where, st, cfg.accum_steps, setting)
+            self._keep(rec, where, st, cfg.accum_steps, setting, sim)
 
-    def _keep(self, rec, where, st, accum, setting):
+    def _keep(self, rec, where, st, accum, setting, sim):
         for step, (pieces, shared) in enumerate(rec.steps):
             skeleton, optimizer, keys = [], [], []
             for (phase, micro, kind, block), _, sizes, kinds in pieces:
@@ -226,10 +170,15 @@ class Library:
                              by_maker=name[3] is not None and pieces[freed[0]][0][3] == name[3])
             self.skeletons[step] = skeleton
             self.optimizer[step] = optimizer
+            k = len(where) // len(self.stacks)  # ZeRO-1's lines: the step's figures per cut
+            self.per_cut.setdefault(k, {})[step] = (
+                [sum(v[i] for v in rec.bases[step].values()) for i in range(_K)],
+                _chain([p for _, p in optimizer]))
             base = rec.bases[step]
             self.bases[step] = {None if b is None else where[b]: v for b, v in base.items()}
         self.loads = {None if b is None else where[b]: v
                       for b, v in rec.loads(self.cfg.world_size).items()}
+        self.per_cut[len(where) // len(self.stacks)]["loads"] = sim.loads
 
     def _shared(self, made, offset, size, kind, freed, at, by_maker=False):
         """What the model made outside the blocks, freed by its last holder: by the state of the
@@ -271,7 +220,8 @@ class Library:
     # ------------------------------------------------------------------ composing
     def compose(self, setting):
         """The `Simulation` of ``setting`` on the whole model, from the library's pieces."""
-        from .simulate import Simulation
+        from .simulate import Simulation, _plus, cublas_workspaces
+        from .trace import run_target
 
         with self.lock:
             self.need(setting)
@@ -279,15 +229,35 @@ class Library:
             if any(r["unheld"] is None and not set(r["held"]) & mine
                    for r in self.shared.values()):
                 self.add(tuple((a, a + 1, False) for a in range(CUT * len(self.stacks))), CUT)
+            if self.zero and len(self.per_cut) < 2:  # a second size, for the lines
+                k = CUT + 2 if CUT in self.per_cut else CUT
+                self.add(tuple((s * k + a, s * k + a + 1, False) for s in range(len(self.stacks))
+                               for a in range(k)), k)
             where, st = self._where(setting), states(setting, self.fine)
             peaks = [self._step(step, setting, where, st) for step in sorted(self.skeletons)]
             carried = [(s, r, x, self.covered[s, r, x]) for (s, r), x in zip(where, st)]
-            comp = Composition(list(self.simulated), carried)
-            loads = self._loads(where)
+            comp = Composition(list(self.simulated), carried, [
+                "ZeRO-1's optimizer state and step (its partition of the parameters), along "
+                f"the line through cuts of {' and '.join(map(str, sorted(self.per_cut)[:2]))} "
+                "blocks per stack"] if self.zero else [])
+            loads = self._line(lambda figures: figures["loads"]) if self.zero else \
+                self._loads(where)
+        target = run_target(self.cfg)  # a CUDA rank: cuBLAS's workspaces, as `simulate` adds
+        if target is not None:
+            peaks = [_plus(p, cublas_workspaces(target)) for p in peaks]
         for p in peaks:
             p.assumed = self.assumed
         return Simulation(self.rank, peaks, loads, how="composed", assumed=self.assumed,
                           composition=comp)
+
+    def _line(self, figure):
+        """``figure`` (a list of numbers) of the cut, carried along the line through the two
+        smallest cuts to the model's blocks (one stack: exact where it is linear)."""
+        (k1, a), (k2, b) = sorted(self.per_cut.items())[:2]
+        x, y = figure(a), figure(b)
+        steps = sum(self.stacks) - k1 * len(self.stacks)
+        per = len(self.stacks) * (k2 - k1)
+        return [u + (v - u) * steps // per for u, v in zip(x, y)]
 
     def _loads(self, where):
         total = list(self.loads.get(None, [0] * self.cfg.world_size))
@@ -299,12 +269,20 @@ class Library:
         base = list(self.bases[step].get(None, (0,) * _K))
         for w in where:
             base = [a + b for a, b in zip(base, self.bases[step].get(w, (0,) * _K))]
+        if self.zero:
+            base = self._line(lambda figures: figures[step][0])
         self._regions = setting.regions
         walk, frees = _Walk(base), self._frees(step, where, st)
         for phase, micro, tag in self._skeleton(step):
             mc = micro_class(micro, self.cfg.accum_steps) if phase != "optimizer" else 0
             if phase == "optimizer":
-                self._optimizer(walk, step, where)
+                if self.zero:
+                    line = self._line(lambda f: [*f[step][1].net, f[step][1].rise,
+                                                 *f[step][1].at_rise])
+                    walk.add(Piece("optimizer", tuple(line[:_K]), line[_K],
+                                   tuple(line[_K + 1:]), 1), "optimizer")
+                else:
+                    self._optimizer(walk, step, where)
                 continue
             for kind, b in self._order(phase, tag, setting, where, st):
                 at = (None, None) if b is None else where[b]
@@ -331,7 +309,10 @@ class Library:
                 if rule["unheld"] is None:
                     continue
                 key, at, kind = rule["unheld"]
-                place = (key, None if key[4] is None else where.index(key[4:6]))
+                block = None if key[4] is None else where.index(key[4:6])
+                if block is not None:  # the stack's first or last: in the state it is here
+                    key = (*key[:6], st[block])
+                place = (key, block)
             else:
                 by_role = rule["held"][where[holder][0], st[holder]]
                 name, at, kind = by_role.get(where[holder][1]) or next(iter(by_role.values()))
@@ -410,6 +391,17 @@ class Library:
                         walk.add(got[0] if n == 0 else got[-1], "optimizer")
 
 
+def _chain(pieces):
+    """One `Piece` of ``pieces`` run one after another."""
+    net, total, rise, at = [0] * _K, 0, None, [0] * _K
+    for p in pieces:
+        if rise is None or total + p.rise > rise:
+            rise, at = total + p.rise, [a + b for a, b in zip(net, p.at_rise)]
+        net = [a + b for a, b in zip(net, p.net)]
+        total += sum(p.net)
+    return Piece("optimizer", tuple(net), rise or 0, tuple(at), len(pieces))
+
+
 def _in_order(where):
     seen, out = set(), []
     for w in where:
@@ -445,31 +437,10 @@ class _Walk:
         return Peak(self.best[0], phase_of(by_phase), ledger, by_phase, base=self.base)
 
 
-def _segment_like(k, stacks=1):
-    """Cut layouts as int settings make them, with room around: ``p`` plain blocks, regions of
-    ``L`` blocks back to back, plain to the end."""
-    out = []
-    for p in range(3):
-        for size in range(2, 6):
-            for count in range(1, (k - p) // size + 1):
-                one = [(i, i + 1, False) for i in range(p)]
-                one += [(p + r * size, p + (r + 1) * size, True) for r in range(count)]
-                one += [(i, i + 1, False) for i in range(p + count * size, k)]
-                out.append(tuple((a + s * k, b + s * k, on) for s in range(stacks)
-                                 for a, b, on in one))
-    return out
+def composable(cfg, above):
+    """Is ``cfg``'s step composed (`Library`) rather than simulated whole: a model of more than
+    ``above`` parameters, every stack longer than the largest cut, no DDP comm hook (whose
+    buffers follow the buckets, not the blocks)?"""
+    stacks = cfg.stack_sizes or (cfg.n_blocks,)
+    return cfg.info.n_params > above and min(stacks) > CUT + 4 and cfg.comm_hook is None
 
-
-def _candidates(k, stacks=1):
-    """Cut layouts to choose from: every way to lay checkpointed regions and plain blocks on
-    ``k`` blocks, the same in each of ``stacks`` stacks."""
-    out = []
-    for splits in itertools.product((False, True), repeat=k - 1):
-        bounds = [0] + [i + 1 for i, s in enumerate(splits) if s] + [k]
-        parts = list(zip(bounds, bounds[1:]))
-        for ons in itertools.product((False, True), repeat=len(parts)):
-            if any(not on and b - a > 1 for (a, b), on in zip(parts, ons)):
-                continue  # a plain stretch is plain blocks one by one
-            out.append(tuple((a + s * k, b + s * k, on) for s in range(stacks)
-                             for (a, b), on in zip(parts, ons)))
-    return out

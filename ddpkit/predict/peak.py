@@ -1,6 +1,7 @@
 """The step's peak, answered: `predicted_peak` (what ``estimate(cfg).peak()`` returns) from the
-rank's step simulated on fake tensors (`simulate`), or, for a large model with a setting alike
-on every block, composed from the simulations of 3 and 4 blocks (`scale`); memoised per
+rank's step simulated on fake tensors (`simulate`), or, for a large model, composed from the
+pieces of the model cut to a few blocks (`compose`: one `compose.Library` per config and rank,
+whatever its checkpoint setting, so a new setting costs no simulation); memoised per
 memory-relevant setting, one simulation per setting at a time.
 """
 from __future__ import annotations
@@ -8,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from . import scale
+from .compose import Library, composable
 from .simulate import simulate
+from .trace import SCALE_ABOVE
 _MEMO, _MEMO_LOCK = {}, threading.Lock()
 _RUNNING = {}  # key -> threading.Event: a simulation under way, set when it ends
 _NOT_MEMORY = ("steps", "lr", "warmup_steps", "seed", "measure", "save_every", "save_dir",
@@ -44,7 +46,8 @@ def simulated(cfg, rank):
                 break
         running.wait()  # then the memo has it (or it failed: this thread simulates itself)
     try:
-        sim = scale.scaled(simulate, cfg, rank) if scale.scalable(cfg) else simulate(cfg, rank)
+        sim = library(cfg, rank).compose(cfg.checkpointing) if composable(cfg, SCALE_ABOVE) \
+            else simulate(cfg, rank)
         with _MEMO_LOCK:
             if len(_MEMO) > 64:
                 _MEMO.clear()
@@ -54,6 +57,22 @@ def simulated(cfg, rank):
         with _MEMO_LOCK:
             del _RUNNING[key]
         running.set()
+
+
+_LIBRARIES = {}
+
+
+def library(cfg, rank):
+    """The `compose.Library` of ``cfg``'s rank ``rank``: one per config less its checkpoint
+    setting (the pieces of every setting, simulated as settings ask for them)."""
+    key = _key(cfg.replace(checkpoint=None), rank)
+    with _MEMO_LOCK:
+        hit = _LIBRARIES.get(key)
+        if hit is None or hit.cfg.model is not cfg.model or hit.cfg.data is not cfg.data:
+            if len(_LIBRARIES) > 16:
+                _LIBRARIES.clear()
+            hit = _LIBRARIES[key] = Library(cfg, rank, simulate)
+        return hit
 
 
 def predicted_peak(cfg, step=None, rank=None):

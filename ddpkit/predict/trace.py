@@ -43,8 +43,8 @@ from . import attention
 from .datadep import DataDependence
 
 SCALE_ABOVE = 300_000_000
-"""Parameters above which a model is traced cut to `TRACED_BLOCKS` blocks and a simulated step
-is scaled from 3 and 4 blocks (`scale`)."""
+"""Parameters above which a model is traced cut to `TRACED_BLOCKS` blocks and its simulated
+step composed from pieces of the model cut to a few blocks (`compose`)."""
 TRACED_BLOCKS = 3
 """Blocks a large model is traced with (the first, one middle, the last)."""
 

@@ -1,0 +1,82 @@
+"""Real sizes from small ones (issues #19, #45): a large model traced cut to 3 blocks, its
+figures carried to all N, and its step composed from per-block pieces of the model cut to a few
+blocks (`compose.Library`), equal to the whole model's, to the byte and the FLOP."""
+import itertools
+
+import pytest
+
+import ddpkit
+from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.predict.compose import Library
+from ddpkit.predict.simulate import simulate
+from ddpkit.predict.trace import traced
+
+CPU = dict(backend="gloo", device="cpu")
+
+
+def llama(layers=6):
+    def make():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=layers, num_attention_heads=4,
+                                            num_key_value_heads=2, vocab_size=256,
+                                            max_position_embeddings=64, use_cache=False))
+    return make
+
+
+def configs():
+    yield ddpkit.TrainConfig(model="gpt", n_blocks=6, width=64, seq_len=32, micro_batch=4, **CPU)
+    pytest.importorskip("transformers")
+    yield ddpkit.TrainConfig(model=llama(), seq_len=32, micro_batch=2, **CPU)
+
+
+@pytest.mark.parametrize("i", [0, 1], ids=["gpt", "llama"])
+def test_the_carried_trace_is_the_whole_trace(i):
+    cfg = list(configs())[i]
+    whole, cut = traced(cfg, keep=None), traced(cfg, keep=3)
+    assert cut.scaled and len(cut.blocks) == 3 and not whole.scaled
+    assert cut.param_bytes == whole.param_bytes
+    assert (cut.block_keeps, cut.block_boundary, cut.block_flops) == \
+        (whole.block_keeps, whole.block_boundary, whole.block_flops)
+    settings = [None, "full", 2, 3, 6] + [list(m) for m in
+                                        itertools.product((False, True), repeat=6)][::7]
+    for value in settings:
+        s = CheckpointSetting.of(value, 6)
+        assert cut.forward_bytes(s) == whole.forward_bytes(s), value
+        assert cut.step_flops(s) == whole.step_flops(s), value
+
+
+def same(composed, whole, cfg):
+    """The composed step is the whole simulation's: peak, phase, every phase's highest moment
+    and the ledger, at step 0 and the steady state; the same loads."""
+    for step in (0, 1):
+        a, b = composed.peaks[step], whole.peaks[step]
+        assert (a.bytes, a.phase, a.by_phase, a.ledger) == (b.bytes, b.phase, b.by_phase,
+                                                            b.ledger), (cfg.checkpoint, step)
+    assert composed.loads == whole.loads
+
+
+SETTINGS = [None, "full", 3, 4, [True, False, True, True, False, False, True, False, False]]
+
+
+@pytest.mark.parametrize("change", [dict(), dict(strategy="fsdp"), dict(accum_steps=3),
+                                    dict(optimizer="zero1", precision="bf16")],
+                         ids=["ddp", "fsdp", "accum3", "zero1-bf16"])
+def test_the_composed_step_is_the_whole_step(change):
+    """Every kind of setting on 9 blocks: none, every block, segments of 3 and of 2 blocks (a
+    region's recompute and what it holds), a selective list: each composed from the pieces
+    of cuts of 4 or 6 blocks, one library for all."""
+    pytest.importorskip("transformers")
+    base = ddpkit.TrainConfig(model=llama(9), seq_len=32, micro_batch=2, optimizer="adamw",
+                              **CPU, **change)
+    lib = Library(base, 0, simulate)
+    for value in SETTINGS:
+        cfg = base.replace(checkpoint=value)
+        composed = lib.compose(cfg.checkpointing)
+        assert composed.how == "composed" and composed.composition.simulated
+        same(composed, simulate(cfg), cfg)
+    # the pieces of a setting already seen come from no new simulation
+    runs = len(lib.simulated)
+    lib.compose(base.setting([i % 2 == 1 for i in range(9)]))
+    assert len(lib.simulated) == runs
