@@ -128,8 +128,8 @@ class Library:
             cut = [k] * len(self.stacks)
             setting = Layout(None, sum(cut), tuple(cut) if len(cut) > 1 else (),
                              layout=tuple(segments))
-            first = {j: a for a, b in setting.regions for j in range(a, b)}
-            rec = Recorder([(s * k, (s + 1) * k) for s in range(len(cut))], first)
+            region = {j: (a, b - 1) for a, b in setting.regions for j in range(a, b)}
+            rec = Recorder([(s * k, (s + 1) * k) for s in range(len(cut))], region)
             cfg = self.cfg.replace(accum_steps=min(self.cfg.accum_steps, 3))
             sim = self.simulate(cfg, self.rank, keep=tuple(cut) if len(cut) > 1 else k,
                                 setting=setting, recorder=rec)
@@ -157,13 +157,14 @@ class Library:
                                       summarize(sizes, kinds, phase)))
                 else:
                     self.raw[key] = (phase, sizes, kinds)
-            first = {j: a for a, b in setting.regions for j in range(a, b)}
+            region = {j: (a, b - 1) for a, b in setting.regions for j in range(a, b)}
             for made, size, kind, freed in shared:
                 made_key, freed_key = keys[made[0]], keys[freed[0]]
-                name = pieces[made[0]][0]
-                if name[2] == "F" and first.get(name[3], name[3]) != name[3]:  # the region's
+                name, by = pieces[made[0]][0], pieces[freed[0]][0][3]
+                ends = region.get(name[3], ())
+                if name[2] in ("F", "R") and by in ends and by != name[3]:  # the region's
                     back = len(self.raw[freed_key][1]) - freed[1]  # from the piece's end
-                    self.held.setdefault((made_key, made[1]), {}).setdefault(
+                    self.held.setdefault((made_key, made[1], by == ends[1]), {}).setdefault(
                         freed_key[6], (freed_key[:4], back, size, kind))
                     continue
                 self._shared(made_key, made[1], size, kind, freed_key, freed[1],
@@ -188,7 +189,9 @@ class Library:
                                                        "unheld": None, "maker": None})
         # what it is (an activation where a block keeps it, else a temporary) goes with who
         # held it: ``kind`` is put on its allocation and its free alike
-        back = len(self.raw[freed][1]) - at  # from the piece's end: what a region frees
+        # where in the piece: a backward piece's frees from its end (what a region lets go
+        # when it is done), a forward piece's from its start
+        back = len(self.raw[freed][1]) - at if freed[1] == "backward" else -at
         if by_maker and freed[1] == "backward":  # the block that made it saved it too
             rule["maker"] = (freed[:4], back, kind)
         elif freed[1] == "backward" and freed[3] in ("B", "R", "r"):  # a block let it go
@@ -196,6 +199,30 @@ class Library:
                 freed[5], (freed[:4], back, kind))
         else:
             rule["unheld"] = (freed, back, kind)
+
+    def _free(self, out, rule, made, offset, home, where, st):
+        """The free of one shared storage (made by block ``home``, or outside the blocks)."""
+        # held by the blocks after the one that made it (whose own region holds only its
+        # inputs): the lowest of them lets it go last
+        holder = next((b for b, x in enumerate(st) if (home is None or b > home)
+                       and (where[b][0], x) in rule["held"]), None)
+        if home is not None and rule["maker"] is not None:  # its maker keeps it last
+            name, at, kind = rule["maker"]
+            place = ((*name, *where[home], st[home]), home)
+        elif holder is None:
+            if rule["unheld"] is None:
+                return
+            key, at, kind = rule["unheld"]
+            block = None if key[4] is None else where.index(key[4:6])
+            if block is not None:  # the stack's first or last: in the state it is here
+                key = (*key[:6], st[block])
+            place = (key, block)
+        else:
+            by_role = rule["held"][where[holder][0], st[holder]]
+            name, at, kind = by_role.get(where[holder][1]) or next(iter(by_role.values()))
+            place = ((*name, *where[holder], st[holder]), holder)
+        out.setdefault(place, []).append((-at, -rule["size"], kind))
+        out.setdefault((made, home), []).append((offset, None, kind))
 
     def _piece(self, key, changes=()):
         """The `Piece` at ``key`` with ``changes``: frees put in, [(offset, -bytes, kind)], or
@@ -295,39 +322,24 @@ class Library:
         whose state holds it, else where nothing held it."""
         out = {}
         for (made, offset), rule in self.shared.items():
-            home = None if made[4] is None else where.index(made[4:6])
-            if made[0] != step or (home is not None and st[home] != made[6]):
-                continue  # another step's, or made by a block of another state
-            # held by the blocks after the one that made it (whose own region holds only its
-            # inputs): the lowest of them lets it go last
-            holder = next((b for b, x in enumerate(st) if (home is None or b > home)
-                           and (where[b][0], x) in rule["held"]), None)
-            if home is not None and rule["maker"] is not None:  # its maker keeps it last
-                name, at, kind = rule["maker"]
-                place = ((*name, *where[home], st[home]), home)
-            elif holder is None:
-                if rule["unheld"] is None:
-                    continue
-                key, at, kind = rule["unheld"]
-                block = None if key[4] is None else where.index(key[4:6])
-                if block is not None:  # the stack's first or last: in the state it is here
-                    key = (*key[:6], st[block])
-                place = (key, block)
-            else:
-                by_role = rule["held"][where[holder][0], st[holder]]
-                name, at, kind = by_role.get(where[holder][1]) or next(iter(by_role.values()))
-                place = ((*name, *where[holder], st[holder]), holder)
-            out.setdefault(place, []).append((-at, -rule["size"], kind))
-            out.setdefault((made, home), []).append((offset, None, kind))
-        for a, b in self._regions:  # what each block of a region keeps, freed with the region
-            for j in range(a + 1, b):
-                for (key, _), by_first in self.held.items():
-                    if key[0] == step and key[3] == "F" and key[4:] == (*where[j], st[j]):
-                        # where the region's first block frees it (as seen with a first of
+            if made[0] != step:
+                continue
+            # made outside the blocks once, or by each block of that role and state
+            homes = [None] if made[4] is None else \
+                [b for b, w in enumerate(where) if w == made[4:6] and st[b] == made[6]]
+            for home in homes:
+                self._free(out, rule, made, offset, home, where, st)
+        for a, b in self._regions:  # what a region keeps for its blocks, freed with it
+            for j in range(a, b):
+                for (key, _, at_last), by_end in self.held.items():
+                    end = b - 1 if at_last else a
+                    if key[0] == step and key[3] in ("F", "R") and j != end and \
+                            key[4:] == (*where[j], st[j]):
+                        # where the region's first (or last) block frees it (as seen with one of
                         # that state, else of another: the same free, at the piece's end)
-                        name, back, size, kind = by_first.get(st[a]) or \
-                            next(iter(by_first.values()))
-                        place = ((*name, *where[a], st[a]), a)
+                        name, back, size, kind = by_end.get(st[end]) or \
+                            next(iter(by_end.values()))
+                        place = ((*name, *where[end], st[end]), end)
                         out.setdefault(place, []).append((-back, -size, kind))
         return out
 

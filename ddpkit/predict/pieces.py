@@ -63,7 +63,7 @@ class Recorder:
 
     def __init__(self, stacks, region_of=None):
         self.stacks = stacks  # [(first block, stop)] of each stack, blocks counted over all
-        self.region_of = region_of or {}  # block -> first block of its checkpointed region
+        self.region_of = region_of or {}  # block -> (first, last) block of its region
         self.steps, self.bases = [], []
         self.live = None
         self.owner_of = {}  # storage key -> block (parameters, gradients, optimizer state)
@@ -245,11 +245,16 @@ class Recorder:
         or by a block of a region and freed with the region (by its first block)?"""
         if _outside(made):
             return True
+        block, region = made[3], self.region_of.get(made[3])
+        if made[2] in ("F", "R") and region is not None and freed[3] in region and \
+                freed[3] != block:
+            return True  # a region's, freed with it (by its first or its last block)
         if made[0] != "forward" or made[2] != "F":
             return False
-        block, first = made[3], self.region_of.get(made[3])
-        if first is not None and first != block and freed[3] == first:
-            return True  # a region's, freed with it
+        lasts = {b - 1 for _, b in self.stacks}
+        if freed[3] is None or (freed[0] == "forward" and freed[2] == "G" and
+                                freed[3] in lasts and freed[3] != block):
+            return True  # kept to the end of the forward (autocast's casts of the weights)
         return len(given - {block}) > 1
 
     def _optimizer_runs(self, a, b, events, kinds, start):
