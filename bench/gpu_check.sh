@@ -153,6 +153,7 @@ join
 # timings last, alone on the machine
 stage launch "$L_LAUNCH" "target" "$PY" -m bench.launch --repeat 2 --worlds 2 --device cuda
 stage overhead "$L_OVERHEAD" "target" "$PY" -m bench.overhead --rounds 1 --steps 8 --device cuda
+stage step-time "$(scale 240)" "mean absolute|calibrated" "$PY" -m bench.gpu_step_time
 
 echo
 echo "### ddpkit GPU check: $GPUS GPU(s), $MODE"

@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 import ddpkit
 from bench._common import ab_ratios, machine, table
 from ddpkit.engine.loop import train_rank
-from ddpkit.engine.models import SyntheticData, build_model
+from ddpkit.engine.data import SyntheticData
+from ddpkit.spec.model import build_model
 
 SKIP = 2  # first steps pay one-off costs (allocator growth, profiler start-up)
 
@@ -45,7 +46,7 @@ class PlainLoop:
 
     def __init__(self, ctx, cfg):
         self.cfg, self.ctx = cfg, ctx
-        model = build_model(cfg).to(ctx.device)
+        model = build_model(cfg.rank_plan())[0].to(ctx.device)
         self.cuda = ctx.device.type == "cuda"
         if cfg.checkpoint:  # the built-in models call model.blocks (an nn.Sequential) as a whole
             blocks = model.blocks
@@ -53,7 +54,7 @@ class PlainLoop:
                                                              use_reentrant=cfg.use_reentrant)
         self.ddp = DDP(model, device_ids=[ctx.device.index] if self.cuda else None)
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=cfg.lr)
-        self.data = SyntheticData(cfg)
+        self.data = SyntheticData(cfg.rank_plan())
         self.step_index = 0
 
     def step(self):
@@ -99,7 +100,7 @@ def paired(ctx, cfg, against="ddpkit"):
 
     ctx.log = hook
     try:
-        train_rank(ctx, cfg)
+        train_rank(ctx, cfg.rank_plan())
     finally:
         ctx.log = log
     return pairs

@@ -107,7 +107,7 @@ def watched_train(ctx, cfg):
 
     ctx.log = with_rss
     start[0] = _status("VmRSS")
-    return train_rank(ctx, cfg)
+    return train_rank(ctx, cfg.rank_plan())
 
 
 # ----------------------------------------------------------------------------- the table

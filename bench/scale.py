@@ -81,7 +81,7 @@ def equal_traces():
         whole, cut = Traced(cfg), Traced(cfg, keep=3)
         n = cfg.n_blocks
         for value in (None, 2, "full", tuple(i % 3 == 0 for i in range(n))):
-            s = cfg.setting(value)
+            s = cfg.checkpoint.with_value(value)
             b = (whole.forward_bytes(s), cut.forward_bytes(s))
             f = (whole.step_flops(s), cut.step_flops(s))
             label = value if not isinstance(value, tuple) else "every 3rd block"

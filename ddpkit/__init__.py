@@ -1,9 +1,11 @@
 """ddpkit: explore DDP, activation checkpointing, gradient accumulation and precision, live.
 
 The folders are the architecture, and imports point one way (tests/test_layout.py checks it):
-``errors``, ``devices``, ``shipping`` (shared by kernel and ranks) ← ``engine/`` (the training
-engine) and ``rank/`` (inside a rank process) ← ``config`` (built on the engine's vocabulary) and
-``runtime/`` (the kernel side of a run) ← ``pitfalls/`` (the catalogue and the doctor) ←
+``errors``, ``devices``, ``shipping`` (shared by kernel and ranks) ← ``spec/`` (what a run is:
+models, stacks, the checkpoint setting, strategy names, the `RankPlan`) ← ``engine/`` (trains a
+`RankPlan` on a rank) and ``rank/`` (inside a rank process) ← ``config`` (checked in spec's
+words; makes the `RankPlan`, imports no engine) and ``runtime/`` (the kernel side of a run) ←
+``pitfalls/`` (the catalogue and the doctor) ←
 ``predict/`` (estimate, the step's peak, plan: nothing runs) ← ``runs/`` (train, sweep, their
 results) ← ``lab/`` (the Lab: widgets and live figures) ← ``cli`` and this file.
 
@@ -18,8 +20,9 @@ from .config import TrainConfig
 from .predict.estimate import Estimate, estimate
 from .pitfalls.doctor import Finding, doctor  # needs only torch at import
 from .predict.fits import fits, largest_micro_batch
-from .predict.plan import plan
-from .engine.policies import CheckpointSetting
+from .predict.planner import plan
+from .predict.calibrate import calibrate
+from .spec.setting import CheckpointSetting
 from .rank.context import Context
 from .runs.result import TrainResult
 from .runs.sweep import sweep
@@ -40,7 +43,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointSetting", "Context", "Estimate", "Finding", "Pool", "RankError",
+__all__ = ["CheckpointSetting", "calibrate", "Context", "Estimate", "Finding", "Pool", "RankError",
            "RankStalled", "RunHandle", "RunResult", "TraceError", "TrainConfig", "TrainResult",
            "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan", "shutdown",
            "sweep", "train"]

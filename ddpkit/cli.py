@@ -1,4 +1,5 @@
-"""Command line: ``python -m ddpkit train ...`` (or ``ddpkit train``) and ``ddpkit demo``.
+"""Command line: ``python -m ddpkit train ...`` (or ``ddpkit train``), ``ddpkit demo``, and for a
+workshop ``ddpkit check`` and ``ddpkit workshop [DIR]`` (``ddpkit/workshop/``).
 
 ``train`` takes one flag per TrainConfig field. Run plainly, it spawns ``--world-size`` ranks
 with ddpkit's launcher. Run under torchrun (``torchrun --nproc-per-node N -m ddpkit train ...``)
@@ -15,13 +16,15 @@ import sys
 from .config import TrainConfig
 from .devices import under_torchrun
 from .engine.loop import train_rank
-from .engine.policies import CheckpointSetting
+from .spec.setting import CheckpointSetting
 from .predict.units import MIB, fmt_bytes
 from .rank.context import format_record
 from .rank.entry import start_job, torchrun_context, torchrun_main
 from .runs.demo import DEMO_STEPS, demo
 from .runs.result import TrainResult
 from .runs.train import train
+from .workshop.check import run as run_check
+from .workshop.jupyter import workshop
 
 
 def _checkpoint_arg(text):
@@ -81,7 +84,7 @@ def _train_under_torchrun(args):
         start_job(ctx, cfg.seed)  # seeded as a spawned rank would be
         progress = Progress(cfg, args.verbose) if ctx.is_main else None
         ctx.on_record = progress or (lambda record: None)  # only global rank 0 reports
-        train_rank(ctx, cfg, return_weights=False)  # no kernel here to hand them to
+        train_rank(ctx, cfg.rank_plan(), return_weights=False)  # no kernel here to hand them to
         if ctx.is_main:
             progress.close()
             print(summary_table(cfg, ctx.records))
@@ -136,13 +139,18 @@ class Progress:
                                  f"{1000 * record['step_time_s']:.1f} ms/step", refresh=False)
         self.bar.update(1)
         if self.verbose:
-            if "checkpoint" in record:  # the setting's one text form, as the CLI takes it
-                text = str(self.cfg.setting(record["checkpoint"]))
-                record = {**record, "checkpoint": text}
             self.bar.write(format_record(record), file=sys.stdout)
 
     def close(self):
         self.bar.close()
+
+
+def _predicted(summary):
+    """The step time predicted for the run's config, where it was (`ddpkit.runs.predicted`)."""
+    if "predicted_step_s" not in summary:
+        return ""
+    return (f"; predicted {1000 * summary['predicted_step_s']:.2f} ms "
+            f"(estimate(cfg).step_time(), this machine's calibration)")
 
 
 def summary_table(cfg, records):
@@ -153,13 +161,15 @@ def summary_table(cfg, records):
                       f"{cfg.global_batch}"),
             ("final loss", f"{s['final_loss']:.4f} (mean over ranks)"),
             ("step time", f"{1000 * s['step_time_s']:.2f} ms median, IQR "
-                          f"{1000 * s['step_time_iqr_s']:.2f} ms"),
+                          f"{1000 * s['step_time_iqr_s']:.2f} ms" + _predicted(s)),
             ("samples/s", f"{cfg.global_batch / s['step_time_s']:.0f}"),
-            ("checkpoint", cfg.checkpointing.label())]
+            ("checkpoint", cfg.checkpoint.label())]
     if "activation_bytes" in s:
         rows.append(("activations", f"{fmt_bytes(s['activation_bytes'])} per rank"))
     if "peak_bytes" in s:
-        rows.append(("peak memory", f"{fmt_bytes(s['peak_bytes'])} per rank"))
+        predicted = (f"; predicted {fmt_bytes(s['predicted_peak_bytes'])}"
+                     if "predicted_peak_bytes" in s else "")
+        rows.append(("peak memory", f"{fmt_bytes(s['peak_bytes'])} per rank{predicted}"))
     last = m0[-1]
     rows.append(("model states", f"params {fmt_bytes(last['param_bytes'])}, grads "
                                  f"{fmt_bytes(last['grad_bytes'])}, optimizer "
@@ -172,7 +182,17 @@ def summary_table(cfg, records):
 
 
 def _demo(args):
-    demo(out=args.out, steps=args.steps)
+    demo(out=args.out, steps=args.steps, predict=not args.no_predict)
+
+
+def _check(args):
+    report = run_check()
+    print(json.dumps(report.as_json(), indent=1) if args.json else report.table())
+    return 0 if report.ready else 1
+
+
+def _workshop(args):
+    return workshop(args.dir, open_browser=not args.no_browser, check=not args.no_check)
 
 
 def main(argv=None):
@@ -186,9 +206,24 @@ def main(argv=None):
     d.add_argument("--out", default="ddpkit-report.html")
     d.add_argument("--steps", type=int, default=DEMO_STEPS,
                    help="steps per setting (the step-time medians need a few dozen)")
+    d.add_argument("--no-predict", action="store_true",
+                   help="no step-time predictions, and so no calibration of this machine "
+                        "(30-60 s, once) where it has none")
+    c = sub.add_parser("check", help="can this machine run the workshop's notebooks? "
+                                     "(seconds; exit 0: ready, 1: what to fix)")
+    c.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object (the progress stays on stderr)")
+    w = sub.add_parser("workshop", help="copy the notebooks into DIR (keeping yours), check "
+                                        "this machine, start JupyterLab there (127.0.0.1)")
+    w.add_argument("dir", nargs="?", default="ddpkit-workshop", metavar="DIR",
+                   help="the folder for the notebooks (default: ./ddpkit-workshop)")
+    w.add_argument("--no-browser", action="store_true",
+                   help="open no browser: print JupyterLab's URL (with its token)")
+    w.add_argument("--no-check", action="store_true", help="skip the check (ddpkit check)")
     args = parser.parse_args(argv)
     try:
-        return {"train": _train, "demo": _demo}[args.command](args)
+        return {"train": _train, "demo": _demo, "check": _check,
+                "workshop": _workshop}[args.command](args)
     except ValueError as exc:  # config errors already name the field and the fix
         parser.exit(2, f"ddpkit: error: {exc}\n")
 

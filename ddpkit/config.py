@@ -1,26 +1,26 @@
 """`TrainConfig`: every switch of a training run, checked when it is built.
 
-A config is plain data (it pickles to the ranks, binds to widgets, prints as a torchrun command).
-Errors name the field and the fix, at construction, before any process starts. It is written in
-the engine's vocabulary (model specs, `CheckpointSetting`, strategy names) and asks `devices`
-where it would run; it knows nothing of launchers, and the engine never imports it.
+A config is plain data (it binds to widgets, prints as a torchrun command). Errors name the field
+and the fix, at construction, before any process starts. It is written in the words of
+`ddpkit.spec` (model specs, `CheckpointSetting`, strategy names) and asks `devices` where it
+would run; it imports nothing of the engine, and the engine never imports it: the kernel hands
+the ranks `rank_plan()`, the `RankPlan` the engine reads.
 """
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
 
 from .devices import check_bf16, local_world_size, resolve_devices, under_torchrun
-from .engine import spec
-from .engine.blocks import paths_of
-from .engine.models import build_builtin
-from .engine.policies import CheckpointSetting
-from .engine.strategies import COMM_HOOKS, STRATEGIES, is_fsdp, strategy_problem
-
-MODELS = ("mlp", "gpt")
-PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("sgd", "adamw", "zero1")
-PROBES = ("activations", "peak", "comm")
+from .slurm import sbatch_script
+from .spec import model as spec
+from .spec.blocks import paths_of
+from .spec.builtin import build_builtin
+from .spec.names import (COMM_HOOKS, MODELS, OPTIMIZERS, PRECISIONS, PROBES, STRATEGIES, is_fsdp,
+                         strategy_problem)
+from .spec.plan import RankPlan
+from .spec.setting import CheckpointSetting
 
 
 @dataclass
@@ -98,7 +98,9 @@ class TrainConfig:
     checkpoint: object = None
     """None (off); an int s: s segments as torch's checkpoint_sequential counts them (the first
     s-1 are checkpointed, the last segment never is, so 1 checkpoints nothing); 'full' (every
-    block); or a list of booleans, one per block (selective)."""
+    block); or a list of booleans, one per block (selective); or a setting's text form
+    ('2 per stack', '1,0,1,0,'). The config holds it as a `CheckpointSetting` bound to the
+    model's stacks (``cfg.checkpoint.label()``; it compares equal to the plain value)."""
     use_reentrant: bool = False
     """Passed to torch.utils.checkpoint explicitly (torch warns when it is not)."""
     preserve_rng_state: bool = True
@@ -123,8 +125,9 @@ class TrainConfig:
     """Save a checkpoint every N optimizer steps into save_dir (0: never)."""
     save_dir: str | None = None
     peak_every: int = 25
-    """Peak memory is probed at step 1, every peak_every steps after it, and at the step a
-    mid-run change lands (every step on CUDA, where it is free). On CPU the probe opens a
+    """Peak memory is probed at the run's first two steps (0: the optimizer state is made; 1:
+    DDP rebuilds its buckets), every peak_every steps after step 1, and at the step a mid-run
+    change lands (every step on CUDA, where it is free). On CPU the probe opens a
     profiler window, which roughly doubles that one step's time; 1 probes every step. Activation
     bytes are measured at the first step, every peak_every steps and at a change, and each
     record carries the last measurement (they depend only on the setting and the batch shapes)."""
@@ -159,8 +162,8 @@ class TrainConfig:
         self._check_training()
         self._check_saving_and_probes()
         self._check_timeline()
-        # one value type checks it; the config keeps the plain value (a list, not a tuple)
-        self.checkpoint = self.setting(self.checkpoint).plain
+        # one value type checks it, bound to the model's stacks: the config holds the setting
+        self.checkpoint = CheckpointSetting.of(self.checkpoint, self._stacks())
         self._check_devices()
 
     def _bad(self, name, why, fix):
@@ -313,8 +316,8 @@ class TrainConfig:
         if self.builtin:  # one meta build per shape: what build_builtin reads
             shape = (self.n_blocks, self.width, self.mlp_ratio, self.seq_len, self.vocab,
                      self.n_heads, self.dropout)
-            return spec.model_info(self.model, "blocks", build=lambda: build_builtin(self),
-                                   build_key=shape)
+            return spec.model_info(self.model, "blocks", build_key=shape,
+                                   build=lambda: build_builtin(self.model, *shape))
         return spec.model_info(self.model, self.blocks, self.seed)
 
     @property
@@ -323,33 +326,9 @@ class TrainConfig:
         the given or found path, or a tuple of paths where the model has several stacks."""
         return "blocks" if self.builtin else self.info.blocks
 
-    @property
-    def stack_sizes(self):
-        """The blocks of each stack, in order; () for one stack."""
-        sizes = () if self.builtin else self.info.stack_sizes
-        return sizes if len(sizes) > 1 else ()
-
-    def setting(self, value):
-        """The `CheckpointSetting` of a plain value (None, an int, 'full', a list) on this
-        config's blocks and stacks."""
-        return CheckpointSetting.of(value, self.n_blocks, self.stack_sizes)
-
-    @property
-    def loss_fn(self):
-        """The loss callable (None: the conventions of `spec.compute_loss`)."""
-        return spec.resolve(self.loss, "loss")
-
-    @property
-    def checkpointing(self):
-        """The checkpoint setting as its value type (`CheckpointSetting`)."""
-        return self.setting(self.checkpoint)
-
-    def checkpoint_policy(self, setting=None):
-        """The `CheckpointPolicy` of ``setting`` (a `CheckpointSetting`; this config's when not
-        given), checkpointing this config's way (use_reentrant, preserve_rng_state)."""
-        setting = self.checkpointing if setting is None else setting
-        return setting.build(use_reentrant=self.use_reentrant,
-                             preserve_rng_state=self.preserve_rng_state)
+    def _stacks(self):
+        """The blocks of each of the model's stacks, in order (what a setting is bound to)."""
+        return (self.n_blocks,) if self.builtin else self.info.stack_sizes
 
     def _check_devices(self):
         # under torchrun the world spans machines: this machine runs only its own ranks
@@ -385,12 +364,25 @@ class TrainConfig:
     def global_batch(self):
         return self.world_size * self.micro_batch * self.accum_steps
 
+    def rank_plan(self):
+        """The `RankPlan` the ranks run: this config's fields, with what it derives worked out
+        (where the blocks are, the checkpoint setting on the model's stacks, the probes)."""
+        engine_reads = {f.name for f in dataclasses.fields(RankPlan)} - {
+            "blocks", "checkpoint", "probes", "n_params", "config"}
+        return RankPlan(**{name: getattr(self, name) for name in engine_reads},
+                        blocks=self.blocks_path, checkpoint=self.checkpoint,
+                        probes=frozenset(self.probes),
+                        n_params=None if self.builtin else self.info.n_params, config=self)
+
     def replace(self, **changes):
         """A copy with some fields changed (checked again)."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self):
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        """Every field but ``extra``, as one writes them (the checkpoint's plain value): what
+        ``TrainConfig(**d)`` builds again, and what JSON takes."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {**d, "checkpoint": self.checkpoint.plain}
 
     def to_cli(self):
         """The ``python -m ddpkit train`` arguments that rebuild this config."""
@@ -417,7 +409,7 @@ class TrainConfig:
             elif name == "blocks":  # several stacks: one comma list
                 args += [flag, value if isinstance(value, str) else ",".join(value)]
             elif name == "checkpoint":  # the setting's one text form
-                args += [flag, str(self.checkpointing)]
+                args += [flag, str(self.checkpoint)]
             else:
                 args += [flag, str(value)]
         return args
@@ -427,7 +419,7 @@ class TrainConfig:
         nproc = nproc_per_node or self.world_size
         rdzv = "" if nnodes == 1 else " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500"
         return (f"torchrun --nnodes {nnodes} --nproc-per-node {nproc}{rdzv} -m ddpkit train "
-                + " ".join(self.to_cli())).rstrip()
+                + " ".join(shlex.quote(a) for a in self.to_cli())).rstrip()
 
     def to_slurm(self, nodes, gpus_per_node, *, nproc_per_node=None, time="01:00:00",
                  partition=None, account=None, job_name="ddpkit", port=29500, setup=None,
@@ -438,8 +430,6 @@ class TrainConfig:
         meet through torchrun's c10d rendezvous on the allocation's first node at ``port``.
         ``setup``: shell lines run first (``"source .venv/bin/activate"``, ``module load``...);
         ``json``: where global rank 0 writes the run's records (None: nowhere)."""
-        from .slurm import sbatch_script
-
         return sbatch_script(self.to_cli(), nodes, gpus_per_node, nproc_per_node=nproc_per_node,
                             time=time, partition=partition, account=account,
                             job_name=job_name, port=port, setup=setup, json=json)

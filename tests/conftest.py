@@ -1,9 +1,20 @@
+import atexit
+import os
+import shutil
+import tempfile
 import time
 
 import psutil
 import pytest
 
 from procs import rank_children
+
+# No test sees this machine's calibration (~/.cache/ddpkit): with one there every train() would
+# predict its step time beside the run (a simulated step each). A test that wants a prediction
+# puts a machine of its own in a folder of its own (tests/test_predicted.py); set before any
+# test, so subprocesses (the CLI's, JupyterLab's kernels) have it too.
+os.environ["DDPKIT_CACHE"] = tempfile.mkdtemp(prefix="ddpkit-test-cache-")
+atexit.register(shutil.rmtree, os.environ["DDPKIT_CACHE"], True)
 
 
 @pytest.fixture(autouse=True, scope="session")

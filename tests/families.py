@@ -357,7 +357,7 @@ def measure(name, pool=None):
     import time
 
     import ddpkit
-    from ddpkit.engine.spec import build_model
+    from ddpkit.spec.model import build_model
 
     t0 = time.perf_counter()
     cfg = config(name)
@@ -373,8 +373,8 @@ def measure(name, pool=None):
         out[f"measured_{key}"] = res.summary()["activation_bytes"]
         out[f"estimated_{key}"] = est.activations
         out[f"peak_{key}"] = est.peak().bytes
-        out[f"policy_{key}"] = run.checkpointing.label()
-    start = build_model(cfg)[0].state_dict()
+        out[f"policy_{key}"] = run.checkpoint.label()
+    start = build_model(cfg.rank_plan())[0].state_dict()
 
     def diff(a, b):
         return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend
 
 import ddpkit
 from ddpkit import devices
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.spec.setting import CheckpointSetting
 from ddpkit.predict import attention as A
 from ddpkit.predict.estimate import activation_bytes, estimate, trace_activations
 
@@ -181,7 +181,7 @@ def gpus(monkeypatch):
 @pytest.mark.parametrize("seq_len", [32, 40])
 def test_a_cuda_runs_estimate_counts_the_efficient_kernels_extra_bytes(gpus, seq_len):
     cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=32, seq_len=seq_len, micro_batch=3)
-    setting = lambda s: CheckpointSetting.of(s, cfg.n_blocks)  # noqa: E731
+    setting = cfg.checkpoint.with_value
     on_cpu = {s: activation_bytes(cfg, setting(s)) for s in (None, 2, "full")}
     gpus(1)  # 2 ranks share one GPU (the notebook host): CUDA, efficient kernel in fp32
     B, H = cfg.micro_batch, cfg.n_heads

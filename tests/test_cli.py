@@ -102,16 +102,20 @@ def test_to_torchrun_prints_a_cluster_command():
 
 
 def test_demo_writes_a_self_contained_report(tmp_path, capsys):
+    """On a machine with no calibration (the tests' own cache folder is empty), with
+    ``predict=None``: the runs, the report, and the step time said to be not predicted."""
     from ddpkit.runs.demo import demo
     out = tmp_path / "report.html"
     table = demo(out=str(out), steps=3, segments=[None, 2], n_blocks=4, width=32, seq_len=16,
-                 progress=False)
+                 progress=False, predict=None)
     text = out.read_text()
     assert len(table) == 2 and "Memory per rank vs checkpoint segments" in text
     assert "Pareto frontier" in text and "activations vs recompute" in text  # the trade-off
     assert "plotly" in text and "<script" in text and "cdn.plot.ly" not in text.split("<script")[1][:200]
     printed = capsys.readouterr().out
     assert "checkpoint" in printed and "IQR ms" in printed and "KiB" in printed
+    assert "step time not predicted (this machine has no calibration" in printed
+    assert table.predicted_step_ms.isna().all() and "step time not predicted" in text
     assert not list(tmp_path.glob(".tmp-*"))  # atomic write left no temp file
 
 

@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 import ddpkit
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.spec.setting import CheckpointSetting
 from ddpkit.predict.compose import Library
 from ddpkit.predict.simulate import simulate
 from ddpkit.predict.trace import traced
@@ -78,10 +78,10 @@ def test_the_composed_step_is_the_whole_step(change, slack):
     lib = Library(base, 0, simulate)
     for value in SETTINGS:
         cfg = base.replace(checkpoint=value)
-        composed = lib.compose(cfg.checkpointing)
+        composed = lib.compose(cfg.checkpoint)
         assert composed.how == "composed" and composed.composition.simulated
         same(composed, simulate(cfg), cfg, slack)
     # the pieces of a setting already seen come from no new simulation
     runs = len(lib.simulated)
-    lib.compose(base.setting([i % 2 == 1 for i in range(9)]))
+    lib.compose(base.checkpoint.with_value([i % 2 == 1 for i in range(9)]))
     assert len(lib.simulated) == runs

@@ -11,7 +11,8 @@ import ddpkit
 import families
 from ddpkit.engine.data import first_batch, make_dataset
 from ddpkit.engine.probes import ActivationProbe
-from ddpkit.engine.spec import build_model, compute_loss
+from ddpkit.engine.policies import install
+from ddpkit.spec.model import build_model, compute_loss
 from ddpkit.predict.datadep import UPPER
 
 CPU = dict(backend="gloo", device="cpu")
@@ -20,12 +21,14 @@ CPU = dict(backend="gloo", device="cpu")
 def measured_activations(cfg):
     """One micro-batch's forward on real tensors in this process, measured as a rank measures
     it (the rank's first batch)."""
-    model = build_model(cfg)[0]
-    cfg.checkpoint_policy(cfg.checkpointing).apply(model, cfg.blocks_path)
-    batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
+    plan = cfg.rank_plan()
+    model = build_model(plan)[0]
+    policy = install(plan, model)
+    batch = first_batch(plan, make_dataset(plan, n_samples=plan.micro_batch))
     probe = ActivationProbe()
+    probe.new_step(policy)
     with probe.forward(model):
-        loss = compute_loss(model, batch, cfg.loss_fn)
+        loss = compute_loss(model, batch, plan.loss_fn)
     del loss
     return probe.bytes
 

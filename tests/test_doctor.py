@@ -233,9 +233,9 @@ def test_the_checked_model_is_left_as_it_was():
     assert "forward" not in model.seg.__dict__  # the installed checkpoint is gone
     assert torch.equal(torch.get_rng_state(), rng)
 
-    from ddpkit.engine.models import build_model
+    from ddpkit.spec.model import build_model
 
-    built = build_model(TrainConfig())
+    built = build_model(TrainConfig().rank_plan())[0]
     before = dict(built.__dict__)
     doctor(built, (torch.randn(4, 64), torch.randn(4)), checkpoint=2)
     assert "run_blocks" not in built.__dict__ and built.__dict__.keys() == before.keys()
@@ -431,11 +431,11 @@ def test_every_finding_has_its_own_name_and_a_severity():
 def test_no_dropout_finding_while_another_thread_forks_the_rng():
     """The Lab simulates steps on its own threads inside a fork of the process's RNG (building a
     model seeds it); the doctor, run meanwhile for the Run button, compares that same RNG across
-    backward. Each holds `ddpkit.engine.rng`'s lock, so a model with no random op is never said
+    backward. Each holds `ddpkit.spec.rng`'s lock, so a model with no random op is never said
     to recompute dropout (it was, in a Lab test run beside a simulation)."""
     import threading
 
-    from ddpkit.engine import rng
+    from ddpkit.spec import rng
 
     stop = threading.Event()
 

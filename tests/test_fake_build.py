@@ -3,7 +3,7 @@
 ViT's weight initialisation reads tensor values (``trunc_normal_`` redraws until ``mask.any()``
 is False), which fake tensors have not: the estimate, the simulated step, `plan` and `fits`
 failed on it. Weight values do not change what a step saves or allocates, so the fake build
-leaves the initialisation out (`ddpkit.engine.empty`), falls back in a stated order, and an
+leaves the initialisation out (`ddpkit.spec.empty`), falls back in a stated order, and an
 error that remains names the stage, the op and what to do. Real 2-rank gloo runs check the
 predictions against the measurements."""
 import pytest
@@ -133,7 +133,7 @@ def gpt2():  # transformers is first imported here, inside the estimate's build
     return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=512))
 
 from torch._subclasses.fake_tensor import FakeTensorMode
-from ddpkit.engine.empty import build_empty
+from ddpkit.spec.empty import build_empty
 
 with FakeTensorMode() as mode:  # the trace's build (the estimate, plan, fits, the simulated step)
     assert build_empty(gpt2, "gpt2", mode)[1] == "fake tensors, initialisers off"

@@ -60,6 +60,7 @@ def test_skipped_stages_and_a_timeout_are_reported_as_such(tmp_path):
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
             for line in out.stdout.splitlines() if line.startswith("| ") and "stage" not in line}
     assert rows == {"env": "pass", "gpu-tests": "skipped", "notebooks": "pass",
-                    "launch": "TIMEOUT (limit 2s)", "overhead": "pass", "peak": "pass"}
+                    "launch": "TIMEOUT (limit 2s)", "overhead": "pass", "peak": "pass",
+                    "step-time": "pass"}
     assert out.returncode == 1
     assert "!! TIMEOUT: stage 'launch' ran past its 2 s limit" in out.stderr

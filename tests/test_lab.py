@@ -6,6 +6,7 @@ import time
 import pytest
 
 import ddpkit
+import machines
 from ddpkit.lab.plots import thin
 
 CFG = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accum_steps=1,
@@ -44,7 +45,7 @@ def test_headless_run_matches_train(lab):
     assert row["status"] == "ok" and row["steps_done"] == CFG["steps"]
     assert row["final_loss"] == ref["final_loss"]
     assert row["activation_bytes"] == ref["activation_bytes"]
-    assert row["config"]["checkpoint"] is None and len(lab.history) == 1
+    assert row["config"]["checkpoint"] is None and len(lab.history) == 1  # to_dict: the plain
     assert len(lab.plots.points("loss", 0)) == CFG["steps"] == len(lab.plots.points("loss", 1))
 
 
@@ -67,7 +68,7 @@ def test_mid_run_changes_land_on_every_rank_at_one_step(lab):
     k = changes["checkpoint"]
     before, after = by_rank[0][k - 1]["activation_bytes"], by_rank[0][k]["activation_bytes"]
     assert after < before  # activation memory drops the step checkpointing goes on
-    assert by_rank[0][k]["checkpoint"] == 2 and by_rank[0][k - 1]["checkpoint"] is None
+    assert by_rank[0][k]["checkpoint"] == "2" and by_rank[0][k - 1]["checkpoint"] == "none"
     # the mark says what the setting means ("ckpt 1" would read as checkpointing on)
     assert f"step {k}: 2 segments" in [a.text for a in lab.plots.loss.layout.annotations]
     a = changes["accum_steps"]
@@ -97,7 +98,7 @@ def test_estimate_readout_and_block_toggles_follow_the_slider(lab):
     lab.block_toggles[3].value = True  # a per-block toggle makes the policy selective
     assert lab.config().checkpoint == [True, True, True, True]
     lab.set(micro_batch=64, segments=0)
-    assert lab.config().checkpoint is None
+    assert lab.config().checkpoint.value is None
     lab.set(world_size=1, precision="fp16")
     assert "precision='fp16' needs CUDA" in html.unescape(lab.estimate_html.value)
     assert lab.run_button.disabled
@@ -111,7 +112,7 @@ def test_a_rank_error_shows_a_banner_and_the_lab_is_ready_again(lab):
     row = lab.wait(timeout=60)
     # every rank refuses the setting at the same step: the culprit is whichever spoke first
     assert row["status"] == "error" and re.search(r"rank [01] failed", row["error"])
-    assert "TrainConfig.checkpoint='bogus'" in row["error"]
+    assert "RankPlan.checkpoint='bogus': a CheckpointSetting" in row["error"]
     assert "failed" in lab.banner.value and "#c00" in lab.banner.value
     assert "Traceback" in lab.traceback.children[0].value
     lab.set(steps=3)
@@ -178,7 +179,7 @@ def test_lab_runs_a_transformers_model_with_its_own_blocks():
         lab.run()
         wait_for_steps(lab, 3)
         lab.block_toggles[0].value = lab.block_toggles[2].value = True  # mid-run, per block
-        wanted = [True, False, True, False]  # the two clicks may land one or two steps apart
+        wanted = "1,0,1,0,"  # records carry str(setting); the clicks may land a step apart
         deadline = time.monotonic() + 30
         # both ranks' records of it arrived (a Stop right after one rank's may lose the other's)
         while {m["rank"] for m in list(lab.metrics) if m["checkpoint"] == wanted} != {0, 1}:
@@ -361,6 +362,24 @@ def test_the_readout_shows_the_steps_predicted_peak(lab):
            f"{want.phase}" in text
 
 
+def test_the_readout_predicts_a_steps_time_once_this_machine_is_calibrated(
+        monkeypatch, tmp_path):
+    from ddpkit.predict import calibrate
+
+    monkeypatch.setenv("DDPKIT_CACHE", str(tmp_path))  # nothing calibrated here
+    monkeypatch.setattr(calibrate, "_LOADED", {})
+    with ddpkit.Lab(ddpkit.TrainConfig(**CFG)) as lab:
+        _until(lambda: "the step's peak" in lab.estimate_html.value)
+        assert "ddpkit.calibrate() this machine once" in lab.estimate_html.value
+    machines.install(monkeypatch, tmp_path)
+    with ddpkit.Lab(ddpkit.TrainConfig(**CFG)) as lab:
+        lab.set(segments=2)
+        want = ddpkit.estimate(lab.config()).step_time()
+        _until(lambda: "predicted here" in lab.estimate_html.value)
+        assert f"<b>a step</b>: {1e3 * want.seconds:.1f} ms predicted here" in \
+            html.unescape(lab.estimate_html.value)
+
+
 def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
     p = lab.plots  # beside the memory plot
     assert p.widget.children == (p.loss, p.memory, lab.peaks.widget, p.timing, p.feeder)
@@ -446,7 +465,7 @@ def test_every_widget_of_a_lab_opens_with_its_whole_state(extra, opening):
         assert "ddpkit-swimlanes" in opened[lab.timeline.lanes.comm.comm_id]["_dom_classes"]
         assert "ddpkit-lab" in opened[lab.widget.comm.comm_id]["_dom_classes"]
         assert "ddpkit-blocks" in opened[lab.blocks.widget.comm.comm_id]["_dom_classes"]
-        mask = lab.config().checkpointing.mask
+        mask = lab.config().checkpoint.mask
         assert any(mask) and [opened[t.comm.comm_id]["value"] for t in lab.block_toggles] == mask
         assert [opened[t.comm.comm_id]["button_style"] for t in lab.block_toggles] == [
             "info" if on else "" for on in mask]  # pressed ones in colour
@@ -456,7 +475,7 @@ def test_every_widget_of_a_lab_opens_with_its_whole_state(extra, opening):
         assert opened[lab.controls["segments"].comm.comm_id]["value"] == (
             checkpoint if isinstance(checkpoint, int) else 0)
         # the read-out opened saying what the controls say (a micro batch of 64, not 100)
-        assert opened[lab.estimate_html.comm.comm_id]["value"] == ddpkit.lab.controls \
+        assert opened[lab.estimate_html.comm.comm_id]["value"] == ddpkit.lab.sync \
             .readout(lab.config)[0]
         assert list(opened[lab.traceback.comm.comm_id]["titles"]) == ["traceback"]
 
@@ -466,11 +485,52 @@ def test_a_smoothing_factor_outside_0_to_1_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"LivePlots\(ema=1\): .* \[0, 1\); pass e.g. ema=0.95"):
         ddpkit.LivePlots(ema=1)
-    panels = sum(t.name == "ddpkit-peak-panel" for t in threading.enumerate())
+    before = set(threading.enumerate())
     with pytest.raises(ValueError, match=r"Lab\(ema=-0.1\): the smoothing factor"):
         ddpkit.Lab(ddpkit.TrainConfig(**CFG), ema=-0.1)
-    # refused before the Lab's peak panel starts its thread
-    assert sum(t.name == "ddpkit-peak-panel" for t in threading.enumerate()) == panels
+    # refused before the Lab starts its predictor thread
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
+
+
+def test_closing_a_lab_leaves_no_thread_of_it_alive():
+    import threading
+
+    before = set(threading.enumerate())
+    lab = ddpkit.Lab(ddpkit.TrainConfig(**CFG))
+    lab.set(segments=2)  # a read-out whose peak the predictor simulates
+    mine = [t for t in threading.enumerate() if t not in before]
+    assert lab.predictor.thread in mine  # one predictor thread per Lab
+    lab.close()
+    assert not [t.name for t in mine if t.is_alive()]
+
+
+def test_a_control_is_one_row_of_the_table():
+    from ddpkit.lab import controls
+
+    row = controls.Control("warmup_steps", "warmup_steps", controls.slider("warmup", 0, 100),
+                           live=True, mark=lambda v, setting: f"warmup {v}")
+    controls.CONTROLS.append(row)  # what adding a control to ddpkit is: one row
+    try:
+        with ddpkit.Lab(ddpkit.TrainConfig(**CFG, warmup_steps=3)) as lab:
+            assert lab.controls["warmup_steps"].value == 3  # the view made it, showing the config
+            lab.set(warmup_steps=5)
+            assert lab.config().warmup_steps == 5  # the sync reads it into the config
+            sent = []
+            lab.sync.running, lab.sync.send = (lambda: True), (lambda **kw: sent.append(kw))
+            lab.set(warmup_steps=7)  # mid-run: a live row's field goes to the ranks
+            assert sent[-1]["warmup_steps"] == 7 and sent[-1]["checkpoint"] == None  # noqa: E711
+            lab.view.set_running(True)
+            assert not lab.controls["warmup_steps"].disabled and lab.controls["steps"].disabled
+        text = controls.change_text({"step": 4, "changed": "warmup_steps", "warmup_steps": 7})
+        assert text == "step 4: warmup 7"  # and the plots mark a change by its row
+    finally:
+        controls.CONTROLS.remove(row)
+
+
+def test_the_per_block_control_hands_the_lab_its_setting(lab):
+    mask = [True, False, True, False]
+    lab.sync.on_blocks(lab.cfg.checkpoint.with_value(mask))  # what the control says it chose
+    assert lab.config().checkpoint == mask
 
 
 def test_a_lab_shows_once_as_a_widget_does(tmp_path):

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import ddpkit
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.spec.setting import CheckpointSetting
 from test_lab import CFG, rank0_steps, wait_for_steps
 
 
@@ -38,7 +38,7 @@ def test_the_block_control_names_every_block_and_picks_ranges():
         blocks.on_button.click()
         want = [i in (2, 5, 8) for i in range(12)]
         assert lab.config().checkpoint == want == [t.value for t in blocks.toggles]
-        assert lab.config().checkpointing == CheckpointSetting.from_mask(want)
+        assert lab.config().checkpoint == CheckpointSetting.from_mask(want, 12)
         assert "blocks 2, 5, 8" in blocks.summary.value and "(3 of 12 blocks)" in blocks.summary.value
         assert lab.estimate_html.value != before  # the read-out follows
         blocks.range.value, blocks.every.value = (0, 11), 1
@@ -54,7 +54,7 @@ def test_the_block_control_names_every_block_and_picks_ranges():
         assert lab.config().checkpoint == [True] * 8 + [False] * 3 + [True]
         blocks.range.value = (0, 11)
         blocks.off_button.click()
-        assert lab.config().checkpoint is None and "no checkpointing" in blocks.summary.value
+        assert lab.config().checkpoint.value is None and "no checkpointing" in blocks.summary.value
 
 
 @pytest.mark.parametrize("n", [32, 80])
@@ -68,7 +68,7 @@ def test_the_block_control_scales(n):
         lab.blocks.range.value, lab.blocks.every.value = (1, n - 1), 2
         lab.blocks.on_button.click()
         assert len(seen) == 1 and seen[0].mask == [i % 2 == 1 for i in range(n)]
-        assert lab.config().checkpointing == seen[0]
+        assert lab.config().checkpoint == seen[0]
         assert f"blocks 1-{n - 1}, every 2nd" in lab.blocks.summary.value
 
 
@@ -84,8 +84,9 @@ def test_a_range_edit_mid_run_lands_as_one_change():
         lab.blocks.range.value, lab.blocks.every.value = (0, 9), 3
         lab.blocks.on_button.click()
         want = [i in (0, 3, 6, 9) for i in range(12)]
+        text = str(CheckpointSetting.from_mask(want, 12))  # what the records carry
         deadline = time.monotonic() + 30
-        while {m["rank"] for m in list(lab.metrics) if m["checkpoint"] == want} != {0, 1}:
+        while {m["rank"] for m in list(lab.metrics) if m["checkpoint"] == text} != {0, 1}:
             assert time.monotonic() < deadline, ("the range edit never reached the ranks",
                                                  "run still going" if lab.running else "run ended")
             time.sleep(0.005)
@@ -94,7 +95,7 @@ def test_a_range_edit_mid_run_lands_as_one_change():
     assert [kw["checkpoint"] for kw in sent] == [want]
     assert [kind for _, kind in row["changes"]] == ["checkpoint"]
     step = row["changes"][0][0]
-    assert [m["checkpoint"] for m in lab.metrics if m["step"] == step] == [want] * 2
+    assert [m["checkpoint"] for m in lab.metrics if m["step"] == step] == [text] * 2
     assert f"step {step}: blocks 0-9, every 3rd" in [a.text for a in lab.plots.loss.layout.annotations]
 
 
@@ -114,5 +115,5 @@ def test_the_block_control_groups_blocks_by_stack():
     seen = []
     ctl.on_change(seen.append)
     ctl.toggles[3].value = True
-    assert seen == [CheckpointSetting.from_mask([False, False, False, True, False])]
+    assert seen == [CheckpointSetting.from_mask([False, False, False, True, False], (3, 2))]
     assert "block 3 <span style='color:#666'>(1 of 5 blocks)" in ctl.summary.value

@@ -5,6 +5,7 @@ session happens to have imported, so a lazy import that points upward or at a mo
 here rather than in the one notebook cell that reaches it.
 """
 import ast
+import dataclasses
 import importlib
 import importlib.util
 import pkgutil
@@ -15,29 +16,36 @@ import ddpkit
 
 ROOT = Path(ddpkit.__file__).parent
 
-# part -> the parts it may import (besides itself). Low to high: the shared leaves; what runs
-# inside a rank (rank/) and the training engine (engine/), which know nothing of each other; the
-# config (built on the engine's vocabulary) and the kernel-side runtime (which knows nothing of
-# models); the pitfalls and doctor; the predictions (nothing runs); real runs and their records;
-# the Lab; the command line and the package root.
+# part -> the parts it may import (besides itself). Low to high: the shared leaves; what a run
+# is (spec/: the models and how to read them without memory, their stacks, the checkpoint
+# setting, the strategy names, the RankPlan), which both sides read; what runs inside a rank
+# (rank/) and the training engine (engine/, which reads only a RankPlan), which know nothing of
+# each other; the config (checked in spec's words, knowing nothing of the engine: it makes the
+# RankPlan) and the kernel-side runtime (which knows nothing of models); the pitfalls and doctor;
+# the predictions (nothing runs); real runs and their records; the Lab; the workshop (the
+# curriculum and its check: it launches ranks, nothing more); the command line and the
+# package root.
 LEAVES = {"errors", "devices", "shipping", "slurm"}
 ALLOWED = {
     "errors": set(),
     "devices": set(),
     "shipping": set(),
     "slurm": set(),
-    "engine": {"devices", "errors"},
+    "spec": {"errors"},
+    "engine": {"spec", "devices", "errors"},
     "rank": {"devices", "errors", "shipping"},
-    "config": {"engine", "devices", "slurm"},
+    "config": {"spec", "devices", "slurm"},
     "runtime": {"rank", "devices", "errors", "shipping"},
-    "pitfalls": {"engine", "config", "runtime", "rank", *LEAVES},
-    "predict": {"engine", "config", *LEAVES},
-    "runs": {"engine", "config", "runtime", "pitfalls", "predict", *LEAVES},
-    "lab": {"engine", "config", "runtime", "predict", "runs", *LEAVES},
-    "cli": {"engine", "config", "runtime", "rank", "predict", "runs", *LEAVES},
+    "pitfalls": {"spec", "engine", "config", "runtime", "rank", *LEAVES},
+    "predict": {"spec", "engine", "config", "runtime", *LEAVES},  # runtime: calibrate() runs ranks
+    "runs": {"spec", "engine", "config", "runtime", "pitfalls", "predict", *LEAVES},
+    "lab": {"spec", "engine", "config", "runtime", "predict", "runs", *LEAVES},
+    # the workshop's check launches real ranks and asks where they would run; nothing more
+    "workshop": {"runtime", "devices"},
+    "cli": {"spec", "engine", "config", "runtime", "rank", "predict", "runs", "workshop", *LEAVES},
     "__main__": {"cli"},
-    "__init__": {"engine", "config", "runtime", "rank", "predict", "runs", "lab", "pitfalls",
-                 *LEAVES},
+    "__init__": {"spec", "engine", "config", "runtime", "rank", "predict", "runs", "lab",
+                 "pitfalls", *LEAVES},
 }
 
 
@@ -119,11 +127,39 @@ def _parts_imported(here):
 
 def test_the_config_and_the_runtime_know_nothing_of_each_other():
     # read from the code, not from ALLOWED (a table can be edited to let an import through):
-    # the config is data the engine reads; the launcher runs functions, never models
-    assert not {"runtime", "rank"} & _parts_imported("config")
+    # the config makes the plan the engine reads, in spec's words, and imports no engine; the
+    # launcher runs functions, never models
+    assert not {"runtime", "rank", "engine"} & _parts_imported("config")
+    assert _parts_imported("spec") <= {"errors"}
     assert not {"config", "engine", "predict", "runs", "lab", "pitfalls"} & _parts_imported("runtime")
     assert not {"rank", "config", "runtime"} & _parts_imported("engine")
     assert not {"engine", "config", "runtime"} & _parts_imported("rank")
+
+
+def test_the_engine_reads_a_rank_plan_not_the_config():
+    # the kernel works out what a config derives (its model's blocks, the checkpoint setting on
+    # its stacks, the probes) once, into a RankPlan; nothing in engine/ or rank/ names the config
+    # or reaches for a method or property of it that a RankPlan does not have (read from the
+    # source: an attribute of that name on anything but ``self``)
+    from ddpkit.config import TrainConfig
+    from ddpkit.spec.plan import RankPlan
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    derived = {n for n, v in vars(TrainConfig).items() if not n.startswith("__")
+               and (callable(v) or isinstance(v, property))} - fields
+    only_the_config = derived - set(dir(RankPlan)) - {f.name for f in dataclasses.fields(RankPlan)}
+    assert {"info", "blocks_path", "rank_plan", "to_cli"} <= only_the_config  # it can fail
+    found = []
+    for name, path, _ in modules():
+        if part(name) not in ("engine", "rank"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            said = ast.unparse(node) if isinstance(node, (ast.Name, ast.Attribute)) else ""
+            if (isinstance(node, ast.Name) and node.id in ("TrainConfig", "cfg")) or (
+                    isinstance(node, ast.Attribute) and node.attr in only_the_config
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {said}")
+    assert not found, "the engine reaches into the config:\n" + "\n".join(found)
 
 
 # what one person reads in one sitting (README, "Files small enough to read")
@@ -193,3 +229,88 @@ def test_tests_bench_and_notebooks_import_this_package_only():
                 wrong.append(f"{path.name}:{line}: {full} comes from {origin}")
     assert not wrong, "\n".join(wrong)
 
+
+
+def _graph():
+    """module -> {modules it imports, at any depth of the file (inside functions too)}, read
+    from the source; ``from ddpkit.x import y`` counts the submodule ``ddpkit.x.y`` where y is
+    one, else ``ddpkit.x``."""
+    names = {name for name, _, _ in modules()}
+    graph = {}
+    for name, path, is_pkg in modules():
+        edges = set()
+        for target, taken, _ in imports(name, path, is_pkg):
+            subs = [f"{target}.{t}" for t in taken if f"{target}.{t}" in names]
+            edges |= set(subs) or {target}
+            if len(subs) < len(taken):  # names from the module itself, not its submodules
+                edges.add(target)
+        graph[name] = {e for e in edges if e in names and e != name}
+    return graph
+
+
+def _cycle(graph):
+    """One import loop as a list of modules, or None (depth-first search)."""
+    colour, stack = {}, []
+
+    def visit(node):
+        colour[node] = "grey"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if colour.get(nxt) == "grey":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in colour:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        colour[node] = "black"
+        return None
+
+    for node in sorted(graph):
+        if node not in colour:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_loop_between_modules():
+    # a package's __init__ re-exports what is below it: its edges to its own submodules are
+    # not loops (the submodule never needs the package's names), so they are left out
+    graph = {m: {e for e in edges if not e.startswith(m + ".")} for m, edges in _graph().items()}
+    loop = _cycle(graph)
+    assert loop is None, "an import loop: " + " -> ".join(loop)
+
+
+def _imports_inside_functions():
+    """(file:line, the import, the comment on its line or the line above) for every import of
+    a ddpkit module inside a function."""
+    out = []
+    for name, path, is_pkg in modules():
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    own = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "")
+                           .startswith("ddpkit"))) or (isinstance(node, ast.Import) and any(
+                               a.name.startswith("ddpkit") for a in node.names))
+                    if own:
+                        line = lines[node.lineno - 1]
+                        above = lines[node.lineno - 2] if node.lineno > 1 else ""
+                        reason = (line.partition("#")[2] or above.strip().partition("#")[2]).strip()
+                        out.append((f"{path.relative_to(ROOT.parent)}:{node.lineno}",
+                                    line.strip(), reason))
+    return out
+
+
+def test_imports_inside_functions_are_few_and_each_says_why():
+    inside = {(where, what): why for where, what, why in _imports_inside_functions()}
+    unexplained = [f"{where}: {what}" for (where, what), why in inside.items() if not why]
+    assert not unexplained, ("an import inside a function, with no comment saying why it is not "
+                             "at the top of its module:\n" + "\n".join(unexplained))
+    assert len(inside) <= 15, f"{len(inside)} imports inside functions: " + "\n".join(
+        f"{w}: {i}" for w, i in inside)

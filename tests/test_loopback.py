@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit.runtime.pool import shared_pool
 from procs import rank_children
 
 
@@ -114,8 +115,9 @@ def test_lab_listens_on_loopback_only():
         lab.run()
         wait_for_records(lab.metrics, 2)
         # the lab runs on the kernel's shared pool: its ranks, not the test's own children
-        seen = {pid: listening(pid) for pid in [os.getpid()] + lab._pool.pids}
-        port = lab._pool._group.port
+        pool = shared_pool(cfg.world_size, cfg.backend, cfg.device)
+        seen = {pid: listening(pid) for pid in [os.getpid()] + pool.pids}
+        port = pool._group.port
         lab.stop()
     check_all_on_loopback(seen, port, 2)
 

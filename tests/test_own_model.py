@@ -13,7 +13,7 @@ import torch.nn as nn
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
-from ddpkit.engine.spec import build_model
+from ddpkit.spec.model import build_model
 from procs import in_tmp
 
 pytest.importorskip("transformers")
@@ -41,7 +41,7 @@ def test_checkpointing_keeps_the_weights_and_bytes_fall_as_estimated(pool, name)
         cfg = ddpkit.TrainConfig(**MODELS[name], **RUN, checkpoint=setting)
         runs[setting] = (cfg, ddpkit.train(cfg, pool=pool))
     ref = runs[None][1].state_dict
-    assert max_diff(ref, build_model(runs[None][0])[0].state_dict()) > 1e-4  # it did train
+    assert max_diff(ref, build_model(runs[None][0].rank_plan())[0].state_dict()) > 1e-4  # it did train
     measured = []
     for setting, (cfg, res) in runs.items():
         assert max_diff(res.state_dict, ref) <= 1e-5, setting
@@ -52,7 +52,7 @@ def test_checkpointing_keeps_the_weights_and_bytes_fall_as_estimated(pool, name)
         measured.append(acts)
     assert measured[0] > measured[1] > measured[2]
     # the config's state_dict keys are the model's own: nothing was wrapped
-    assert set(ref) == set(build_model(runs[None][0])[0].state_dict())
+    assert set(ref) == set(build_model(runs[None][0].rank_plan())[0].state_dict())
 
 
 def test_accumulation_2x4_equals_one_batch_of_8(pool):

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def pyproject_reqs():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = meta["dependencies"] + meta["optional-dependencies"]["dev"]
+    reqs = meta["dependencies"] + [r for extra in meta["optional-dependencies"].values()
+                                   for r in extra]
     return {Requirement(r).name.lower(): Requirement(r) for r in reqs}
 
 
@@ -53,6 +54,15 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_the_hf_extra_is_in_the_dev_tools_too():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(meta["hf"]) <= set(meta["dev"])
+
+
+def test_the_lab_extra_is_a_workshop_set_up_and_in_the_dev_tools_too():
+    """`pip install "ddpkit[lab]"` is an attendee's whole set-up: JupyterLab, its kernel and
+    what the notebooks import (the hf extra); a developer's set-up runs the workshop too."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    lab = {Requirement(r).name for r in meta["lab"]}
+    assert {"jupyterlab", "ipykernel"} <= lab and set(meta["hf"]) <= set(meta["lab"])
+    assert set(meta["lab"]) <= set(meta["dev"])
 
 
 def test_the_slow_list_names_tests_that_exist():

@@ -9,6 +9,7 @@ import ddpkit
 from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
 from ddpkit.engine.memory import KINDS, PHASES
+from ddpkit.spec.names import FSDP_STRATEGIES
 
 CPU = dict(backend="gloo", device="cpu")
 BASE = dict(model="gpt", n_blocks=3, width=64, seq_len=32, vocab=256, world_size=2,
@@ -113,23 +114,23 @@ def test_steps_zero_one_and_steady_differ_as_predicted(pool):
         assert m["peak_ledger"]["optimizer_state"] == want.ledger["optimizer_state"]
 
 
-def _buckets_job(ctx, cfg):
+def _buckets_job(ctx, plan):
     """A real DDP step measured by the peak probe, beside what DDP says it allocated."""
     import torch
 
     from ddpkit.engine import strategies
     from ddpkit.engine.data import RankBatches, make_dataset
     from ddpkit.engine.memory import PeakProbe
-    from ddpkit.engine.spec import build_model
+    from ddpkit.spec.model import build_model
     from ddpkit.engine.step import train_step, zero_grad
 
     probe = PeakProbe(ctx.device)
-    model = build_model(cfg)[0]
-    ddp, opt, comm = strategies.wrap(cfg, model, ctx)
-    data = RankBatches(make_dataset(cfg), ctx.rank, ctx.world_size, shuffle=False)
+    model = build_model(plan)[0]
+    ddp, opt, comm = strategies.wrap(plan, model, ctx)
+    data = RankBatches(make_dataset(plan), ctx.rank, ctx.world_size, shuffle=False)
     for step in range(3):
         with probe.step(model, opt, comm.bucket_buffers):
-            train_step(ddp, opt, data.micro_batches(step * 8, cfg.micro_batch, 1),
+            train_step(ddp, opt, data.micro_batches(step * 8, plan.micro_batch, 1),
                        accum_steps=1, phase=probe.phase)
         zero_grad(opt)
     logged = ddp._get_ddp_logging_data()
@@ -142,7 +143,7 @@ def test_bucket_bytes_are_what_ddp_allocated(pool):
     # 8 MiB of parameters: DDP's 1 MiB first bucket, then the rest
     cfg = ddpkit.TrainConfig(model="mlp", n_blocks=4, width=256, micro_batch=2, world_size=2,
                              optimizer="sgd", **CPU)
-    for measured, sizes in pool.launch(_buckets_job, cfg).returns:
+    for measured, sizes in pool.launch(_buckets_job, cfg.rank_plan()).returns:
         assert len(sizes) >= 2
         assert measured == sum(sizes)
     predicted = ddpkit.estimate(cfg).peak()

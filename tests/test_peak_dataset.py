@@ -47,6 +47,7 @@ def test_the_runs_peak_is_its_own_whatever_another_thread_frees():
         plain = ddpkit.train(cfg.replace(model=fm.make_model, data=fm.make_data), pool=pool)
     _HELD.clear()  # the kernel's own, from the config's meta build
     key = lambda m: (m["step"], m["rank"])
-    for a, b in zip(sorted(racy.metrics, key=key), sorted(plain.metrics, key=key)):
+    assert len(racy.metrics) == cfg.world_size * cfg.steps  # every record compared below
+    for a, b in zip(sorted(racy.metrics, key=key), sorted(plain.metrics, key=key), strict=True):
         assert a["data_bytes"] == b["data_bytes"] > 0
         assert abs(a["peak_bytes"] - b["peak_bytes"]) <= 256, (a["peak_bytes"], b["peak_bytes"])

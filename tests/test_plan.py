@@ -7,7 +7,8 @@ import pytest
 
 import ddpkit
 import fixtures_module as fm
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.engine.policies import install
+from ddpkit.spec.setting import CheckpointSetting
 from ddpkit.predict.estimate import trace_activations, traced_flops
 from ddpkit.predict.gpus import GPUS, CUDA_CONTEXT, parse_bytes, usable_bytes
 
@@ -33,7 +34,7 @@ def test_the_plan_is_the_cheapest_frontier_choice_whose_peak_fits():
     for cfg in configs():
         fig = _figures(cfg)
         for mask in itertools.product((False, True), repeat=cfg.n_blocks):
-            setting = CheckpointSetting.from_mask(mask)
+            setting = CheckpointSetting.from_mask(mask, cfg.checkpoint.stacks)
             c = _choice(fig, setting)  # the planner's figures, from per-block sums...
             assert (c.activations, c.flops) == truth(cfg, setting)  # ...equal the traced ones
         front = ddpkit.plan(cfg, 10**12).frontier
@@ -70,13 +71,14 @@ def test_the_planned_run_measures_what_was_predicted():
     # FLOPs of the real model (real tensors, one process) against the predicted ratio
     from ddpkit.engine.data import first_batch, make_dataset
     from ddpkit.engine.probes import count_flops
-    from ddpkit.engine.spec import build_model, compute_loss
+    from ddpkit.spec.model import build_model, compute_loss
 
-    model = build_model(cfg)[0]
-    batch = first_batch(cfg, make_dataset(cfg))
+    plan = cfg.rank_plan()
+    model = build_model(plan)[0]
+    batch = first_batch(plan, make_dataset(plan))
 
     def flops(value):
-        cfg.checkpoint_policy(CheckpointSetting.of(value, cfg.n_blocks)).apply(model, cfg.blocks_path)
+        install(plan, model, cfg.checkpoint.with_value(value))
         return count_flops(lambda: compute_loss(model, batch).backward())
 
     assert flops(p.checkpoint) / flops(None) == pytest.approx(p.choice.flops_ratio, rel=1e-9)
@@ -105,7 +107,7 @@ def test_fits_names_the_gpu_and_its_overhead():
     assert "T4" in repr(fit) and "not counted" in repr(fit)
     assert not est.fits(est.total // 2)
     big = est.largest_micro_batch(64 * 2**20)
-    assert big >= 1 and est.config.replace(micro_batch=big).checkpointing is not None
+    assert big >= 1 and est.config.replace(micro_batch=big).checkpoint.value is not None
     assert ddpkit.estimate(cfg.replace(micro_batch=big)).fits(64 * 2**20)
     assert not ddpkit.estimate(cfg.replace(micro_batch=big + 1)).fits(64 * 2**20)
 

@@ -3,7 +3,7 @@ for ddp / ddp_zero1 / zero2 / fsdp at 2 and 4 ranks, HSDP, PowerSGD; every colle
 import pytest
 
 import ddpkit
-from ddpkit.engine.strategies import FSDP_STRATEGIES
+from ddpkit.spec.names import FSDP_STRATEGIES
 from ddpkit.predict import zero
 from ddpkit.predict.units import byte_unit
 
@@ -116,10 +116,11 @@ def test_simulated_peak_is_the_measured_one(runs, ws, strategy):
     assert strategy in FSDP_STRATEGIES
     res = runs[ws, strategy]
     est = ddpkit.estimate(res.config)
-    for m in res.metrics:
-        if "peak_bytes" in m and m["step"] in (0, 1):
-            want = est.peak(step=m["step"], rank=m["rank"]).bytes
-            assert -0.03 * want <= m["peak_bytes"] - want <= 0.10 * want, (m["rank"], m["step"])
+    probed = [m for m in res.metrics if m["step"] in (0, 1)]
+    assert len(probed) == 2 * ws and all("peak_bytes" in m for m in probed)  # both steps probed
+    for m in probed:
+        want = est.peak(step=m["step"], rank=m["rank"]).bytes
+        assert -0.03 * want <= m["peak_bytes"] - want <= 0.10 * want, (m["rank"], m["step"])
 
 
 def test_powersgd_rank_1_sends_a_tenth_of_ddps_bytes():

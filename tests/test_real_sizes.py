@@ -22,7 +22,8 @@ def max_diff(a, b):
 
 def test_fsdp_bf16_is_mixed_precision_measured_as_estimated(pool):
     cfg = ddpkit.TrainConfig(**BASE, strategy="fsdp", precision="bf16", checkpoint=[True, False, False])
-    assert strategies.mixed_dtype(cfg) is not None and strategies.autocast_precision(cfg) == "fp32"
+    plan = cfg.rank_plan()
+    assert strategies.mixed_dtype(plan) is not None and strategies.autocast_precision(plan) == "fp32"
     res = ddpkit.train(cfg, pool=pool)
     est = ddpkit.estimate(cfg)
     # what the forward saves, with the parameters gathered in bf16: the estimate, to the byte
@@ -45,7 +46,8 @@ def test_fsdp_bf16_is_mixed_precision_measured_as_estimated(pool):
 
 def test_ddp_bf16_stays_autocast():
     cfg = ddpkit.TrainConfig(**BASE, precision="bf16")
-    assert strategies.mixed_dtype(cfg) is None and strategies.autocast_precision(cfg) == "bf16"
+    plan = cfg.rank_plan()
+    assert strategies.mixed_dtype(plan) is None and strategies.autocast_precision(plan) == "bf16"
 
 
 def llama_8b():

@@ -128,7 +128,7 @@ def test_a_resume_that_does_not_fit_names_the_field(saved, change, named):
     cfg, root = saved
     message = refuse_resume(cfg.replace(**change), root)
     assert named in message and "does not fit this config" in message
-    fix = ", ".join(f"{k}={v!r}" for k, v in saving.resume_fields(cfg).items() if k in change)
+    fix = ", ".join(f"{k}={v!r}" for k, v in saving.resume_fields(cfg.rank_plan()).items() if k in change)
     assert f"resume with {fix}" in message
 
 
@@ -149,7 +149,7 @@ class FullDisk(io.FileIO):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def train_on_a_disk_that_fills(ctx, cfg, bad_rank, bad_folder):
+def train_on_a_disk_that_fills(ctx, plan, bad_rank, bad_folder):
     """train_rank, with every checkpoint write of ``bad_rank`` into ``bad_folder`` failing."""
     from ddpkit.engine.loop import train_rank
 
@@ -161,14 +161,14 @@ def train_on_a_disk_that_fills(ctx, cfg, bad_rank, bad_folder):
         return real(fd, *args, **kwargs)
 
     os.fdopen = fdopen  # this rank process only; it ends with the run
-    return train_rank(ctx, cfg)
+    return train_rank(ctx, plan)
 
 
 def test_a_full_disk_mid_save_loses_nothing(tmp_path):
     cfg = ddpkit.TrainConfig(**GPT, steps=9, save_every=3, save_dir=str(tmp_path))  # saves 2, 5, 8
     bad = tmp_path / "step_000005"
     with pytest.raises(ddpkit.RankError) as info:
-        ddpkit.launch(train_on_a_disk_that_fills, cfg, 1, str(bad), world_size=2)
+        ddpkit.launch(train_on_a_disk_that_fills, cfg.rank_plan(), 1, str(bad), world_size=2)
     err = info.value
     assert err.rank == 1 and err.exc_type == "OSError"
     assert (f"rank 1 could not write checkpoint file {bad / 'rng_rank1.pt'}: "

@@ -15,7 +15,8 @@ import torch.nn as nn
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
-from ddpkit.engine.policies import CheckpointPolicy, CheckpointSetting
+from ddpkit.engine.policies import CheckpointPolicy
+from ddpkit.spec.setting import CheckpointSetting
 
 pytest.importorskip("transformers")
 
@@ -54,7 +55,7 @@ def test_a_setting_has_one_text_form_and_one_label(value, n, text, label):
     setting = CheckpointSetting.of(value, n)
     assert str(setting) == text and setting.label() == label
     assert CheckpointSetting.of(CheckpointSetting.parse(text), n) == setting
-    assert setting.plain == value  # what config and records hold
+    assert setting.plain == value and setting == value  # what one writes, and compares with
 
 
 def test_bad_text_and_bad_values_name_the_fix():
@@ -62,10 +63,14 @@ def test_bad_text_and_bad_values_name_the_fix():
                                          r"count, full, or one 0/1 per block with commas"):
         CheckpointSetting.parse("half")
     with pytest.raises(TypeError, match=r"CheckpointPolicy takes a CheckpointSetting, got int; "
-                                        r"build one with CheckpointSetting.of\(value, n_blocks\)"):
+                                        r"build one with CheckpointSetting.of\(value, stacks\)"):
         CheckpointPolicy(2)
-    with pytest.raises(TypeError, match=r"pass a CheckpointSetting \(CheckpointSetting.of\(2, 4\)\)"):
+    with pytest.raises(TypeError, match=r"pass a CheckpointSetting, or nothing for the config's "
+                                        r"own setting; cfg.checkpoint.with_value\(2\) makes one"):
         ddpkit.predict.estimate.activation_bytes(ddpkit.TrainConfig(), 2)
+    with pytest.raises(ValueError, match=r"stacks=\(\) must be the blocks of each of the model's "
+                                         r"stacks"):
+        CheckpointSetting(2, ())  # a setting is bound to its model's stacks
 
 
 # --- the estimate: one input per checkpointed segment
@@ -106,9 +111,9 @@ def test_segments_on_a_transformers_model_on_two_ranks(pool, name):
 
 
 def build_plain(name):
-    from ddpkit.engine.spec import build_model
+    from ddpkit.spec.model import build_model
 
-    return build_model(ddpkit.TrainConfig(**MODELS[name], **RUN))[0].state_dict()
+    return build_model(ddpkit.TrainConfig(**MODELS[name], **RUN).rank_plan())[0].state_dict()
 
 
 def gpt2_8():
@@ -143,7 +148,7 @@ def test_a_region_brings_its_whole_inside_back_at_once():
     # blocks 0-2 keep 10 each (boundary 1), block 3 keeps 4: with s=2 the plain segment (blocks
     # 2-3) holds less than the region of blocks 0-1 brings back while it is recomputed
     fig = _Blocks(saves=[9, 9, 9, 3], keeps=[10, 10, 10, 4], recompute=[5, 5, 5, 5],
-                  base_acts=100, base_flops=100, states=0)
+                  base_acts=100, base_flops=100, states=0, none=CheckpointSetting(None, 4))
     c = _choice(fig, CheckpointSetting.of(2, 4))
     assert c.activations == 100 - (20 - 1)
     assert c.peak_activations == c.activations - 14 + 19  # blocks 2-3 freed, 0-1 back whole
@@ -187,9 +192,9 @@ def run_loop(model, value, use_reentrant=False):
     from ddpkit.engine.probes import ActivationProbe
 
     model = copy.deepcopy(model)
-    policy = CheckpointSetting.of(value, 6).build(use_reentrant=use_reentrant)
+    policy = CheckpointPolicy(CheckpointSetting.of(value, 6), use_reentrant=use_reentrant)
     policy.apply(model, "layers")
-    probe = ActivationProbe()
+    probe = ActivationProbe(policy)
     torch.manual_seed(7)  # the same dropout masks in every run
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -240,6 +245,6 @@ def test_replay_runs_each_block_through_its_hooks_once_per_recompute():
     calls = []
     for i, layer in enumerate(model.layers):
         layer.register_forward_pre_hook(functools.partial(lambda i, *a: calls.append(i), i))
-    CheckpointSetting.of(2, 6).build().apply(model, "layers")
+    CheckpointPolicy(CheckpointSetting.of(2, 6)).apply(model, "layers")
     model(torch.randn(4, 8)).backward()
     assert calls == [0, 1, 2, 3, 4, 5, 0, 1, 2]  # forward, then the region's one replay

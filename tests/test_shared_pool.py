@@ -80,12 +80,12 @@ def in_order(result, key):
 
 def test_a_used_pool_gives_bitwise_what_a_fresh_launch_gives():
     cfg = ddpkit.TrainConfig(**CFG)
-    fresh = ddpkit.train(cfg, pool=False)
+    fresh = ddpkit.train(cfg, pool="fresh")
     fresh_state = ddpkit.launch(state, world_size=2).returns
     ddpkit.train(cfg)  # the shared pool is up
     pids = shared.shared_pool(2, "gloo", "cpu").pids
-    assert ddpkit.launch(dirty, world_size=2, pool=True).returns == [True, True]
-    assert ddpkit.launch(state, world_size=2, pool=True).returns == fresh_state
+    assert ddpkit.launch(dirty, world_size=2, pool="shared").returns == [True, True]
+    assert ddpkit.launch(state, world_size=2, pool="shared").returns == fresh_state
     reused = ddpkit.train(cfg)
     assert shared.shared_pool(2, "gloo", "cpu").pids == pids  # the same ranks, not new ones
     for key in ("loss", "grad_norm", "activation_bytes", "allreduce_bytes", "allreduce_calls"):
@@ -116,13 +116,13 @@ def test_a_warm_rank_sees_the_kernels_environment_of_each_launch(monkeypatch):
     pids = pool.pids
     monkeypatch.setenv("DDPKIT_LATER", "set after the ranks started")
     monkeypatch.syspath_prepend("/later")
-    assert ddpkit.launch(environment, world_size=2, pool=True).returns == \
+    assert ddpkit.launch(environment, world_size=2, pool="shared").returns == \
         [("set after the ranks started", True, "0"), ("set after the ranks started", True, "1")]
     monkeypatch.delenv("DDPKIT_LATER")
-    assert ddpkit.launch(environment, world_size=2, pool=True).returns[0][0] is None
+    assert ddpkit.launch(environment, world_size=2, pool="shared").returns[0][0] is None
     assert pool.pids == pids  # the same warm ranks throughout
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ddpkit.launch(environment, world_size=2, pool=True)
+    ddpkit.launch(environment, world_size=2, pool="shared")
     assert pool.pids and not set(pool.pids) & set(pids)
 
 
@@ -177,8 +177,22 @@ def test_a_bad_idle_setting_is_named(monkeypatch):
     with pytest.raises(ValueError, match=r"DDPKIT_POOL_IDLE_S='soon': set it to a number of "
                                          r"seconds > 0"):
         ddpkit.train(ddpkit.TrainConfig(**CFG))
-    with pytest.raises(TypeError, match=r"pool=True: pass None \(the shared warm pool\), False"):
+
+
+def test_the_old_pool_spellings_are_refused_naming_the_new_one():
+    # None meant fresh ranks to launch() and the shared pool to train(): no reading of it is
+    # right for every caller, so pool= takes 'shared', 'fresh' or a Pool, everywhere
+    with pytest.raises(TypeError, match=r"pool=True \(it meant 'shared': write that\): pass "
+                                        r"pool='shared' \(the kernel's warm ranks\), "
+                                        r"pool='fresh'"):
         ddpkit.pitfalls.run("sync_every_micro_step", pool=True)
+    with pytest.raises(TypeError, match=r"pool=None \(it meant 'fresh' to launch\(\) and "
+                                        r"'shared' to train\(\): write that\)"):
+        ddpkit.train(ddpkit.TrainConfig(**CFG), pool=None)
+    with pytest.raises(TypeError, match=r"pool=False \(it meant 'fresh'"):
+        ddpkit.launch(print, pool=False)
+    with pytest.raises(TypeError, match=r"pool='warm': pass pool='shared'"):
+        ddpkit.sweep(ddpkit.TrainConfig(**CFG), pool="warm", seed=[0])
 
 
 KERNEL = textwrap.dedent("""
@@ -237,7 +251,7 @@ def test_forkserver_ranks_train_bitwise_as_spawned_ones(monkeypatch, tmp_path):
     """The start method (`ddpkit.runtime.start`: forkserver where no CUDA can exist, spawn
     elsewhere) changes how a rank starts, nothing of what it computes."""
     monkeypatch.setenv("DDPKIT_START_METHOD", "spawn")
-    spawned = ddpkit.train(ddpkit.TrainConfig(**CFG), pool=False)
+    spawned = ddpkit.train(ddpkit.TrainConfig(**CFG), pool="fresh")
     want = sorted((m["rank"], m["step"], m["loss"]) for m in spawned.metrics)
     out = subprocess.run([sys.executable, "-c", FORKSERVER, json.dumps(CFG), str(tmp_path)],
                          capture_output=True, text=True, timeout=300)

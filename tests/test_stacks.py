@@ -8,8 +8,9 @@ import torch.nn as nn
 
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
-from ddpkit.engine.blocks import find_stacks
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.engine.policies import CheckpointPolicy
+from ddpkit.spec.blocks import find_stacks
+from ddpkit.spec.setting import CheckpointSetting
 
 pytest.importorskip("transformers")
 
@@ -82,7 +83,7 @@ def test_blocks_takes_one_path_or_several():
     assert ddpkit.TrainConfig(**T5, **RUN, blocks="encoder.block,decoder.block").blocks == BOTH
     assert "--blocks encoder.block,decoder.block" in " ".join(several.to_cli())
     one = ddpkit.TrainConfig(**T5, **RUN, blocks="decoder.block")
-    assert (one.blocks, one.n_blocks, one.stack_sizes) == ("decoder.block", 4, ())
+    assert (one.blocks, one.n_blocks, one.checkpoint.stacks) == ("decoder.block", 4, (4,))
 
 
 def test_stacks_named_twice_or_one_inside_another_are_refused():
@@ -109,23 +110,24 @@ def test_bad_blocks_are_refused_naming_the_fix(blocks, message):
 
 # --- settings over the stacks
 def test_segments_are_made_in_each_stack_and_never_cross_one():
-    s = CheckpointSetting.of(2, 8, (4, 4))
+    s = CheckpointSetting.of(2, (4, 4))
     assert s.segments == [(0, 2, True), (2, 4, False), (4, 6, True), (6, 8, False)]
     assert s.regions == [(0, 2), (4, 6)] and s.label() == "2 segments per stack"
-    assert CheckpointSetting.of("full", 8, (4, 4)).regions == [(i, i + 1) for i in range(8)]
-    assert CheckpointSetting.of(None, 8, (4, 4)).segments == [(0, 4, False), (4, 8, False)]
-    uneven = CheckpointSetting.of(2, 7, (4, 3))  # as checkpoint_sequential lays out each stack
+    assert CheckpointSetting.of("full", (4, 4)).regions == [(i, i + 1) for i in range(8)]
+    assert CheckpointSetting.of(None, (4, 4)).segments == [(0, 4, False), (4, 8, False)]
+    uneven = CheckpointSetting.of(2, (4, 3))  # as checkpoint_sequential lays out each stack
     assert uneven.segments == [(0, 2, True), (2, 4, False), (4, 5, True), (5, 7, False)]
     cfg = ddpkit.TrainConfig(**T5, **RUN, checkpoint=2)
-    assert cfg.checkpointing == s and str(cfg.checkpointing) == "2"
+    assert cfg.checkpoint == s and str(cfg.checkpoint) == "2 per stack"
+    assert CheckpointSetting.of(CheckpointSetting.parse(str(s)), s.stacks) == s
     with pytest.raises(ValueError, match=r"TrainConfig.checkpoint=4: segments are made in each of "
                                          r"the model's 2 stacks \(as checkpoint_sequential runs "
                                          r"each\), and the shortest has 3 blocks; pass "
                                          r"checkpoint<=3"):
-        CheckpointSetting.of(4, 7, (4, 3))
+        CheckpointSetting.of(4, (4, 3))
     with pytest.raises(ValueError, match=r"policy of 2 segments per stack made for stacks of \[8\] "
                                          r"blocks, applied to stacks of \[4, 4\]"):
-        CheckpointSetting.of(2, 8).build().apply(make_t5(), list(BOTH))
+        CheckpointPolicy(CheckpointSetting.of(2, 8)).apply(make_t5(), list(BOTH))
 
 
 def test_the_estimate_names_each_block_by_its_path():
@@ -162,7 +164,7 @@ def test_full_checkpoints_all_eight_blocks_and_the_estimate_equals_the_measureme
     for setting, (cfg, res) in runs.items():
         assert max_diff(res.state_dict, ref) <= 1e-5, setting
         assert res.summary()["activation_bytes"] == ddpkit.estimate(cfg).activations, setting
-    assert runs["full"][0].checkpointing.regions == [(i, i + 1) for i in range(8)]
+    assert runs["full"][0].checkpoint.regions == [(i, i + 1) for i in range(8)]
     # the encoder's blocks alone (what blocks=None found before) keep more: the decoder's count
     encoder = ddpkit.TrainConfig(**T5, **RUN, checkpoint="full", blocks="encoder.block")
     alone = ddpkit.train(encoder, pool=pool).summary()["activation_bytes"]
@@ -170,23 +172,41 @@ def test_full_checkpoints_all_eight_blocks_and_the_estimate_equals_the_measureme
     assert runs["full"][1].summary()["activation_bytes"] < alone
 
 
-def fsdp_units(ctx, cfg):
+def fsdp_units(ctx, plan):
     """On a rank: the model wrapped as the run wraps it; which modules are FSDP units."""
     from torch.distributed.fsdp import FSDPModule
 
     from ddpkit.engine import strategies
-    from ddpkit.engine.spec import build_model
+    from ddpkit.spec.model import build_model
 
-    model = build_model(cfg)[0]
-    strategies.wrap(cfg, model, ctx)
+    model = build_model(plan)[0]
+    strategies.wrap(plan, model, ctx)
     return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
 def test_fsdp_shards_every_stacks_blocks(pool):
     cfg = ddpkit.TrainConfig(**T5, **RUN, checkpoint="full", optimizer="adamw", strategy="fsdp")
-    units = pool.launch(fsdp_units, cfg).returns
+    units = pool.launch(fsdp_units, cfg.rank_plan()).returns
     want = [""] + [f"{p}.{i}" for p in BOTH for i in range(4)]  # the root, and every block
     assert sorted(units[0]) == sorted(want) and units[0] == units[1]
     sharded = ddpkit.train(cfg, pool=pool)
     plain = ddpkit.train(cfg.replace(strategy="ddp"), pool=pool)
     assert max_diff(sharded.state_dict, plain.state_dict) <= 1e-5
+
+
+def test_a_t5_sweep_says_per_stack_in_its_table_its_figure_and_its_marks(pool):
+    # one value travels: the records and the table carry str(setting), which says "per stack" on
+    # a model of two stacks; the trade-off figure and the live plot's change mark say so too
+    cfg = ddpkit.TrainConfig(**T5, **{**RUN, "steps": 1, "accum_steps": 1})
+    table = ddpkit.sweep(cfg, pool=pool, progress=False, checkpoint=[None, 2])
+    assert list(table.checkpoint) == ["none", "2 per stack"]
+    record = table.result[1].metrics[0]
+    assert record["checkpoint"] == "2 per stack"
+    assert CheckpointSetting.of(record["checkpoint"], (4, 4)) == cfg.replace(checkpoint=2).checkpoint
+    labels = [t for tr in ddpkit.tradeoff(table).data if tr.text is not None for t in tr.text]
+    assert "checkpoint=2 per stack" in labels
+    plots = ddpkit.LivePlots(world_size=1)
+    plots.new_run(1, setting=cfg.checkpoint)
+    plots.add({**record, "rank": 0, "step": 5, "changed": "checkpoint"})
+    plots.flush(force=True)
+    assert [a.text for a in plots.loss.layout.annotations] == ["step 5: 2 segments per stack"]

@@ -67,7 +67,7 @@ def test_a_forked_rank_holds_nothing_of_the_kernel(forkserver):
             import ddpkit
             return "kernel_only_marker" in sys.modules, hasattr(ddpkit, "_kernel_marker")
         assert ddpkit.launch(look, world_size=2).returns == [(False, False)] * 2
-        assert ddpkit.launch(look, world_size=2, pool=True).returns == [(False, False)] * 2
+        assert ddpkit.launch(look, world_size=2, pool="shared").returns == [(False, False)] * 2
     finally:
         del sys.modules["kernel_only_marker"], ddpkit._kernel_marker
     server = psutil.Process(start.server_pid())

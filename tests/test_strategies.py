@@ -56,6 +56,7 @@ def test_model_state_bytes_per_rank_match_the_zero_prediction(pool, strategy):
 def test_fsdp_activation_bytes_do_not_count_gathered_parameters(pool):
     cfg = ddpkit.TrainConfig(**BASE, strategy="fsdp", checkpoint=2)
     res = ddpkit.train(cfg, pool=pool)
+    assert len(res.metrics) == cfg.world_size * cfg.steps  # every record checked below
     for m in res.metrics:
         assert abs(m["activation_bytes"] - estimate(cfg).activations) <= 0.05 * estimate(cfg).activations
 
@@ -124,7 +125,7 @@ def test_fsdp_mesh_is_the_jobs_group_with_the_jobs_timeout_on_a_gpu_box(pool):
         assert theirs == (False, 1800.0)
 
 
-def train_without_weights(ctx, cfg):
+def train_without_weights(ctx, plan):
     """What the CLI runs under torchrun: the weights are neither gathered nor copied."""
     from ddpkit.engine import loop, strategies
 
@@ -133,12 +134,12 @@ def train_without_weights(ctx, cfg):
 
     original, strategies.full_state_dict = strategies.full_state_dict, refused
     try:
-        return loop.train_rank(ctx, cfg, return_weights=False)
+        return loop.train_rank(ctx, plan, return_weights=False)
     finally:
         strategies.full_state_dict = original  # a pool's rank lives on
 
 
 def test_under_torchrun_an_fsdp_run_gathers_no_weights_nobody_receives(pool):
     cfg = ddpkit.TrainConfig(**BASE, strategy="fsdp")
-    res = ddpkit.launch(train_without_weights, cfg, pool=pool)
+    res = ddpkit.launch(train_without_weights, cfg.rank_plan(), pool=pool)
     assert res.returns == [None, None] and len(res.metrics) == 2 * cfg.steps

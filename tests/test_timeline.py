@@ -92,7 +92,7 @@ def test_timeline_agrees_with_ddps_runtime_statistics(small_buckets):
             assert close(getattr(row, ours), getattr(row, theirs), stamps), (ours, row)
 
 
-def _profiled(ctx, cfg):
+def _profiled(ctx, plan):
     """train_rank under the torch profiler: the rank's records and its gloo:all_reduce events."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -101,7 +101,7 @@ def _profiled(ctx, cfg):
     records, log = [], ctx.log
     ctx.log = lambda **r: (records.append(r), log(**r))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train_rank(ctx, cfg)
+        train_rank(ctx, plan)
     ctx.log = log
     events = [(e.start_ns(), e.start_ns() + e.duration_ns())
               for e in prof.profiler.kineto_results.events() if e.name() == "gloo:all_reduce"]
@@ -111,7 +111,7 @@ def _profiled(ctx, cfg):
 def test_allreduce_rows_match_the_profilers_gloo_events(pool):
     # no peak probe: its own profiler window would end this one
     cfg = ddpkit.TrainConfig(**{**BIG, "steps": 3}, bucket_cap_mb=1, measure=["comm"])
-    run = pool.launch(_profiled, cfg)
+    run = pool.launch(_profiled, cfg.rank_plan())
     for rank, (records, events) in enumerate(run.returns):
         origin = records[0]["clock_origin_ns"]  # the profiler stamps ns since the epoch, as we
         events = [((a - origin) / 1e9, (b - origin) / 1e9) for a, b in events]
@@ -135,7 +135,9 @@ def test_allreduce_rows_match_the_profilers_gloo_events(pool):
 def test_one_large_bucket_starts_only_when_every_block_is_done(pool):
     res = ddpkit.train(ddpkit.TrainConfig(**BIG, bucket_cap_mb=1000), pool=pool)
     tl = res.timeline
-    for (rank, step), g in tl[tl.step >= 1].groupby(["rank", "step"]):
+    groups = list(tl[tl.step >= 1].groupby(["rank", "step"]))
+    assert len(groups) == res.config.world_size * len(set(tl.step[tl.step >= 1]))  # not none
+    for (rank, step), g in groups:
         ar = g[g.kind == "allreduce"]
         largest = ar.loc[ar["bytes"].idxmax()]
         # after every block's backward: only the stem's last gradients complete the bucket

@@ -6,9 +6,9 @@ import torch
 
 import ddpkit
 from ddpkit.runtime.pool import shared_pool
-from ddpkit.engine.policies import CheckpointSetting
+from ddpkit.spec.setting import CheckpointSetting
 from ddpkit.predict.estimate import activation_bytes, estimate, param_count
-from ddpkit.engine.models import build_model
+from ddpkit.spec.model import build_model
 
 # pinned to CPU ranks: these tests compare bitwise CPU results, which must mean the same on a GPU box
 CPU = dict(backend="gloo", device="cpu")
@@ -40,7 +40,7 @@ def test_ddp_accumulation_and_checkpointing_match_one_big_batch(pool, reference,
     cfg = ddpkit.TrainConfig(**TINY, checkpoint=checkpoint, use_reentrant=reentrant)
     res = ddpkit.train(cfg, pool=pool)
     assert max_diff(res.state_dict, reference) <= 1e-5
-    assert max_diff(res.state_dict, build_model(cfg).state_dict()) > 1e-3  # it did train
+    assert max_diff(res.state_dict, build_model(cfg.rank_plan())[0].state_dict()) > 1e-3  # it did train
 
 
 @pytest.mark.parametrize("switches", [dict(static_graph=True), dict(find_unused_parameters=True),
@@ -57,7 +57,7 @@ def test_ddp_switches_pass_through_and_keep_the_maths(pool, reference, switches)
 
 def test_state_dict_is_rank_zero_weights_without_module_prefix(pool):
     res = ddpkit.train(ddpkit.TrainConfig(**TINY), pool=pool)
-    assert set(res.state_dict) == set(build_model(res.config).state_dict())
+    assert set(res.state_dict) == set(build_model(res.config.rank_plan())[0].state_dict())
     assert not any(k.startswith("module.") for k in res.state_dict)
     assert all(v.device.type == "cpu" for v in res.state_dict.values())
 
@@ -95,7 +95,7 @@ def test_activation_bytes_fall_with_segments_as_estimated(pool, model):
         acts = {m["activation_bytes"] for m in res.metrics}
         assert len(acts) == 1  # the same on every rank and step
         measured[setting] = acts.pop()
-        predicted = activation_bytes(base, CheckpointSetting.of(setting, base.n_blocks))
+        predicted = activation_bytes(base, base.checkpoint.with_value(setting))
         assert abs(measured[setting] - predicted) <= 0.10 * predicted, (setting, measured, predicted)
     assert measured[None] > measured[2] > measured[4] > measured["full"]
     # the structure: s=2 keeps 1 boundary + 2 blocks; None keeps 4 blocks -> the step is 2 blocks
@@ -155,7 +155,8 @@ def test_sweep_gives_one_row_per_combination(pool):
                          checkpoint=[None, 2], accum_steps=[1, 2], progress=False)
     assert isinstance(table, pd.DataFrame)
     assert list(table.columns) == ["checkpoint", "accum_steps", *SWEEP_COLUMNS]
-    assert list(zip(table.checkpoint, table.accum_steps)) == [("none", 1), ("none", 2), (2, 1), (2, 2)]
+    assert list(zip(table.checkpoint, table.accum_steps)) == [("none", 1), ("none", 2), ("2", 1),
+                                                              ("2", 2)]  # str(setting)
     assert (table.activation_bytes == table.predicted_activation_bytes).all()
     assert table.recompute_flops_ratio[0] == 1.0 and table.recompute_flops_ratio[2] > 1.0
     for row in table.itertuples():  # rank 0's steps after the first, as the columns say
@@ -238,9 +239,9 @@ def test_train_refuses_a_pool_of_another_size(pool):
 
 def test_estimate_stays_the_function_after_its_module_is_imported():
     import importlib
-    importlib.import_module("ddpkit.predict.estimate")
-    cfg = ddpkit.TrainConfig(**TINY)
-    assert ddpkit.estimate(cfg) == ddpkit.estimate(cfg)
+    module = importlib.import_module("ddpkit.predict.estimate")
+    assert ddpkit.estimate is module.estimate  # the function, not its module
+    assert isinstance(ddpkit.estimate(ddpkit.TrainConfig(**TINY)), ddpkit.Estimate)
     assert ddpkit.train.__module__ == "ddpkit.runs.train" and callable(ddpkit.train)
 
 

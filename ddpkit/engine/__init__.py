@@ -1,14 +1,14 @@
-"""The training engine: everything a rank needs to train a model, and nothing about how it was
-started (it reads a config and a `Context`-like ``ctx``; it never imports the config, the
-launcher or the rank's plumbing).
+"""The training engine: everything a rank needs to train the `spec.plan.RankPlan` it is handed,
+and nothing about how it was started (it reads the plan and a `Context`-like ``ctx``; it never
+imports the config, the launcher or the rank's plumbing).
 
-`models.py` (the built-in mlp and gpt, synthetic data) · `spec.py` (your own model: factory,
-data, loss, what is in it) · `blocks.py` (finding the repeated blocks) · `policies.py`
-(`CheckpointSetting` and the checkpoint policy it builds and applies) · `regions.py` (a segment
-as one region on a loop the model owns) · `data.py` (datasets and
-per-rank batches) · `strategies.py` (ddp, ZeRO-1, FSDP: wrap after checkpointing) · `step.py`
-(one optimizer step, rank-agnostic) · `probes.py` (memory, comm, time, FLOPs) · `measure.py`
-(the probes a run turned on and when each reads) · `saving.py`
-(atomic checkpoints, exact resume) · `rng.py` (the process's RNG, forked by one thread at a
-time) · `loop.py` (`train_rank`: the loop each rank runs).
+`policies.py` (`CheckpointPolicy`: a checkpoint setting installed on a model's blocks) ·
+`regions.py` (a segment as one region on a loop the model owns) · `data.py` (the built-in
+synthetic data, your dataset, per-rank batches) · `strategies.py` (ddp, ZeRO-1, ZeRO-2, FSDP,
+HSDP: wrap after checkpointing; compression hooks) · `step.py` (one optimizer step,
+rank-agnostic) · `probes.py` (activations, comm hook, time, FLOPs) · `collectives.py` (every
+collective, counted at the dispatcher) · `memory.py` (the step's peak: Peak, its ledger, the
+CPU/CUDA probe) · `measure.py` (the probes a run turned on and when each reads) ·
+`timeline.py` (the timeline probe and the simulated link) · `saving.py` (atomic checkpoints,
+exact resume) · `loop.py` (`train_rank`: the loop each rank runs).
 """

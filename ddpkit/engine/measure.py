@@ -1,7 +1,9 @@
 """`Measure`: the probes a run turned on, and when each one reads, as one object for the loop.
 
-``with measure.step(step, changed, model, optimizer) as acts:`` around one optimizer step (pass
-``acts`` to `train_step` as its activation probe: None on the steps it does not read), then
+``with measure.step(step, changed, model, optimizer, policy) as acts:`` around one optimizer step
+(``policy``: the checkpoint policy in force, whose regions the activation probe and the timeline
+watch; pass ``acts`` to `train_step` as its activation probe: None on the steps it does not
+read), then
 ``measure.read(model, optimizer)`` for the step's fields of the record (before ``zero_grad``
 frees the gradients). The schedules, each with its reason:
 
@@ -33,19 +35,19 @@ STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
 class Measure:
-    """The probes of one run (``cfg.probes``) on ``device`` of rank ``rank``; `begin` gives it
+    """The probes of one run (``plan.probes``) on ``device`` of rank ``rank``; `begin` gives it
     the DDP comm counter that `strategies.wrap` installed (None without one) and the run's
     first step."""
 
-    def __init__(self, cfg, device, rank=0):
-        probes = cfg.probes
+    def __init__(self, plan, device, rank=0):
+        probes = plan.probes
         self.peak = PeakProbe(device) if "peak" in probes else None  # first: it counts after
         self.acts = ActivationProbe() if "activations" in probes else None
         self.timer = StepTimer(device)
         self.collectives = CollectiveCounter() if "comm" in probes else None
         self.cuda = device.type == "cuda"
-        self.cfg, self.rank, self.comm, self.first, self.timeline = cfg, rank, None, 0, None
-        self.every = cfg.peak_every
+        self.plan, self.rank, self.comm, self.first, self.timeline = plan, rank, None, 0, None
+        self.every = plan.peak_every
         self.states = {}  # model-state bytes: read on the sampled steps, carried between
         self._sample = self._peak = False
 
@@ -76,18 +78,20 @@ class Measure:
         return self.peak.phase if self._peak else None
 
     @contextlib.contextmanager
-    def step(self, step, changed, model, optimizer):
+    def step(self, step, changed, model, optimizer, policy=None):
         """Around one optimizer step: times it, and opens the probes this step reads. Yields
-        the activation probe for `train_step` (None when this step does not read it)."""
+        the activation probe for `train_step` (None when this step does not read it).
+        ``policy``: the `CheckpointPolicy` installed on ``model`` (its regions are watched)."""
         self._sample, self._peak = self.samples(step, changed), self.peaks(step, changed)
         if self.comm is not None:
             self.comm.reset()
         acts = self.acts if self._sample else None
         if acts is not None:
-            acts.new_step()
+            acts.new_step(policy)
         peak = self.peak.step(model, optimizer, self.comm.bucket_buffers if self.comm else None,
                               acts) if self._peak else contextlib.nullcontext()
-        tl = self.timeline.step(step, model, optimizer) if self.timeline else contextlib.nullcontext()
+        tl = self.timeline.step(step, model, optimizer, policy) if self.timeline \
+            else contextlib.nullcontext()
         with self.timer.time(), peak, self._history(step), tl, self._collectives():
             yield acts
 
@@ -105,8 +109,8 @@ class Measure:
             self.collectives.stop()
 
     def _history(self, step):
-        """``TrainConfig.memory_snapshot``: the allocator's history of step 1, on CUDA."""
-        folder = self.cfg.memory_snapshot
+        """``memory_snapshot``: the allocator's history of step 1, on CUDA."""
+        folder = self.plan.memory_snapshot
         if not (folder and self.cuda and step == self.first + 1):
             return contextlib.nullcontext()
         os.makedirs(folder, exist_ok=True)

@@ -41,12 +41,14 @@ def storage(t):
 
 
 class ActivationProbe:
-    """Use ``with probe.forward(model):`` around each forward. ``bytes``: the last forward's
+    """Use ``with probe.forward(model):`` around each forward; ``policy``: the `CheckpointPolicy`
+    installed on the model (each tensor its regions keep is counted; `new_step` sets the one in
+    force for a step). ``bytes``: the last forward's
     saved bytes; ``max_bytes``: the largest since ``new_step()`` (one micro-batch's worth).
     ``saved_keys`` / ``saved_addresses``: per forward since ``new_step()``, the StorageImpl ids
     and data addresses of what it saved (the peak's ledger names these blocks activations)."""
 
-    def __init__(self):
+    def __init__(self, policy=None):
         self.bytes = self.max_bytes = 0
         self.saved_keys, self.saved_addresses = [], []
         self.owner = None     # who saves now (the estimate sets the running block's index)
@@ -55,10 +57,14 @@ class ActivationProbe:
         self._params = set()
         self._model = None
         self._known = None    # (model, its parameters' storages) when not sharded
+        self.policy = policy  # the checkpoint policy in force (`new_step` sets it each step)
 
-    def new_step(self):
+    def new_step(self, policy=None):
+        """A new optimizer step, under ``policy`` (the `CheckpointPolicy` installed on the model
+        the forwards run, if any: each tensor its regions keep is counted too)."""
         self.max_bytes = 0
         self.saved_keys, self.saved_addresses = [], []
+        self.policy = policy
 
     def _count(self, t):
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -112,7 +118,7 @@ class ActivationProbe:
             sharded = any(hasattr(p, "to_local") for p in model.parameters())
             self._model = model if sharded else None
             self._known = None if sharded else (model, frozenset(self._params))
-        policy = getattr(model, "checkpoint_policy", None)
+        policy = self.policy
         if policy is not None:
             policy.on_segment_input = self._count
 

@@ -209,7 +209,7 @@ class LoopRegions:
         self.handles = []
 
     def _idle(self):
-        return self.replaying or self.policy._in_region or not torch.is_grad_enabled()
+        return self.replaying or self.policy.in_region or not torch.is_grad_enabled()
 
     def _pre(self, i, module, args, kwargs):
         if self._idle():

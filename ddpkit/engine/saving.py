@@ -122,7 +122,7 @@ def _restore_rng_states(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(ctx, cfg, step, consumed, model, optimizer, scheduler, save_dir, fsdp=False):
+def save(ctx, plan, step, consumed, model, optimizer, scheduler, save_dir, fsdp=False):
     """Collective: every rank calls it after optimizer step ``step``."""
     root = Path(save_dir)
     folder = root / f"step_{step:06d}"
@@ -157,8 +157,8 @@ def save(ctx, cfg, step, consumed, model, optimizer, scheduler, save_dir, fsdp=F
     _barrier()  # every part is on disk before the checkpoint is declared complete
     if ctx.is_main:
         meta = {"step": step, "consumed": consumed, "world_size": ctx.world_size,
-                "strategy": cfg.strategy, "resume": resume_fields(cfg),
-                "config": cfg.to_dict()}
+                "strategy": plan.strategy, "resume": resume_fields(plan),
+                "config": plan.to_dict()}
         with _writing(ctx, folder / "meta.json"):
             atomic_write_bytes(folder / "meta.json", json.dumps(meta, default=str).encode())
         with _writing(ctx, root / LATEST):
@@ -308,13 +308,13 @@ def _plain(value):
     return value
 
 
-def resume_fields(cfg):
-    if not cfg.builtin:  # your model: its factory, where its blocks are and its size
-        fields = {name: _plain(getattr(cfg, name)) for name in ("model", "blocks", "n_blocks")}
-        fields["n_params"] = cfg.info.n_params
-        return {**fields, **{name: getattr(cfg, name) for name in _SAME_RUN}}
-    names = _SAME_MODEL + (_SAME_GPT if cfg.model == "gpt" else ()) + _SAME_RUN
-    return {name: _plain(getattr(cfg, name)) for name in names}
+def resume_fields(plan):
+    if not plan.builtin:  # your model: its factory, where its blocks are and its size
+        fields = {name: _plain(getattr(plan, name)) for name in ("model", "blocks", "n_blocks")}
+        fields["n_params"] = plan.n_params
+        return {**fields, **{name: getattr(plan, name) for name in _SAME_RUN}}
+    names = _SAME_MODEL + (_SAME_GPT if plan.model == "gpt" else ()) + _SAME_RUN
+    return {name: _plain(getattr(plan, name)) for name in names}
 
 
 def _complete_folder(resume_from):
@@ -325,7 +325,7 @@ def _complete_folder(resume_from):
     return folder
 
 
-def check_resume(cfg, resume_from):
+def check_resume(plan, resume_from):
     """In the kernel, before any rank starts: the folder a resume would load, checked.
 
     Refuses (ValueError) a folder with no complete checkpoint, a config that does not fit it
@@ -335,12 +335,12 @@ def check_resume(cfg, resume_from):
     folder = _complete_folder(resume_from)
     try:
         meta = json.loads((folder / "meta.json").read_text())
-        saved = meta.get("resume") or {k: meta["config"][k] for k in resume_fields(cfg)}
+        saved = meta.get("resume") or {k: meta["config"][k] for k in resume_fields(plan)}
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"checkpoint file {folder / 'meta.json'} is not a ddpkit checkpoint's "
                          f"metadata ({type(exc).__name__}: {exc}); pass a save_dir a ddpkit run "
                          f"wrote into") from None
-    now = resume_fields(cfg)
+    now = resume_fields(plan)
     differ = [k for k in now if k in saved and saved[k] != now[k]]
     if differ:
         said = ", ".join(f"TrainConfig.{k}={now[k]!r} but the checkpoint has {k}={saved[k]!r}"

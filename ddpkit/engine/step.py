@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .spec import compute_loss, to_device
+from ..spec.model import compute_loss, to_device
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

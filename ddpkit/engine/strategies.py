@@ -10,7 +10,7 @@ Gradient compression (DDP): ``comm_hook="fp16"``/``"bf16"`` (torch's cast hooks)
 ``"powersgd"`` (torch's ``powerSGD_hook`` with ``PowerSGDState``: rank ``powersgd_rank``, error
 feedback on, compressing from iteration ``powersgd_start_iter``).
 
-`wrap(cfg, model, ctx)` returns ``(wrapped, optimizer, comm_counter)``. Everything else in the
+`wrap(plan, model, ctx)` returns ``(wrapped, optimizer, comm_counter)``. Everything else in the
 engine treats the wrapped model alike; `step.train_step` skips gradient sync on accumulation
 micro-steps with DDP's ``no_sync()`` or FSDP2's ``set_requires_gradient_sync(False)``.
 """
@@ -20,97 +20,62 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..spec.blocks import resolve_blocks
+from ..spec.names import is_fsdp
 from .probes import CommCounter
 
-STRATEGIES = ("ddp", "ddp_zero1", "zero2", "fsdp", "hsdp")
-FSDP_STRATEGIES = ("zero2", "fsdp", "hsdp")  # FSDP2 underneath: no DDP buckets, no comm hooks
-COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
 _COMPRESS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
 
-def is_fsdp(strategy):
-    """Does ``strategy`` run on FSDP2 (sharded parameters as DTensors)?"""
-    return strategy in FSDP_STRATEGIES
-
-
-def strategy_problem(strategy, world_size, shard_size, comm_hook, powersgd_rank, start_iter):
-    """The first bad one of HSDP's ``shard_size`` and PowerSGD's settings, as (setting, why,
-    fix) for `TrainConfig` to raise; None when they are fine."""
-    v, r = shard_size, powersgd_rank
-    if strategy == "hsdp":
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            return ("shard_size", "strategy='hsdp' needs the ranks of each shard group",
-                    f"pass shard_size=2 (a divisor of world_size={world_size})")
-        if world_size % v:
-            return ("shard_size", f"must divide world_size={world_size} (groups of equal size)",
-                    f"pass a divisor of {world_size}, e.g. shard_size=2 with world_size=4")
-    elif v is not None:
-        return ("shard_size", f"only strategy='hsdp' shards in groups (strategy='{strategy}')",
-                "pass strategy='hsdp', or shard_size=None")
-    if comm_hook != "powersgd" and (r is not None or start_iter != 2):
-        name = "powersgd_rank" if r is not None else "powersgd_start_iter"
-        return (name, f"is PowerSGD's setting (comm_hook={comm_hook!r})",
-                f"pass comm_hook='powersgd', or leave {name} at its default")
-    if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
-        return ("powersgd_rank", "must be an int >= 1 (the approximation's rank)",
-                "pass e.g. powersgd_rank=1, 2 or 4")
-    if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
-        return ("powersgd_start_iter", "torch's PowerSGD with error feedback compresses from "
-                "iteration 2 at the earliest", "pass powersgd_start_iter=2 or more")
-    return None
-
-
-def _compression(cfg):
+def _compression(plan):
     """(the hook to run instead of the plain all-reduce, its bytes per element or None)."""
-    if cfg.comm_hook == "powersgd":
+    if plan.comm_hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         # error feedback on (torch's default); torch requires start_powerSGD_iter > 1 with it
         state = psgd.PowerSGDState(process_group=None,
-                                   matrix_approximation_rank=cfg.powersgd_rank or 1,
-                                   start_powerSGD_iter=cfg.powersgd_start_iter,
+                                   matrix_approximation_rank=plan.powersgd_rank or 1,
+                                   start_powerSGD_iter=plan.powersgd_start_iter,
                                    use_error_feedback=True, warm_start=True)
         return (lambda _, bucket: psgd.powerSGD_hook(state, bucket)), None
-    hook = _COMPRESS.get(cfg.comm_hook)
+    hook = _COMPRESS.get(plan.comm_hook)
     return hook, (2 if hook is not None else None)
 
 
-def optimizer_class(cfg):
-    return torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.AdamW
+def optimizer_class(plan):
+    return torch.optim.SGD if plan.optimizer == "sgd" else torch.optim.AdamW
 
 
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def mixed_dtype(cfg, precision=None):
+def mixed_dtype(plan, precision=None):
     """The dtype FSDP's mixed precision computes in (its ``param_dtype``), or None: the FSDP2
     strategies (``"zero2"``, ``"fsdp"``, ``"hsdp"``) with bf16/fp16 run as practitioners run FSDP2 (torchtitan, Lightning, accelerate):
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, each block's parameters
     gathered in bf16 and its gradients reduced in fp32, no autocast. (Autocast over FSDP's
     fp32 parameters would keep a bf16 copy of every gathered weight for backward, on every
     rank: the sharding undone.)"""
-    precision = precision or cfg.precision
-    return PARAM_DTYPES.get(precision) if is_fsdp(cfg.strategy) else None
+    precision = precision or plan.precision
+    return PARAM_DTYPES.get(precision) if is_fsdp(plan.strategy) else None
 
 
-def autocast_precision(cfg):
+def autocast_precision(plan):
     """The precision `train_step`'s autocast runs: DDP autocasts (what DDP users run); FSDP's
     mixed precision casts the parameters itself, so its forward runs without autocast."""
-    return "fp32" if mixed_dtype(cfg) is not None else cfg.precision
+    return "fp32" if mixed_dtype(plan) is not None else plan.precision
 
 
-def wrap(cfg, model, ctx, count_comm=True, mesh=None, precision=None, watch=None):
-    """Wrap ``model`` (already on ctx.device, policy applied) for cfg.strategy. ``mesh``: FSDP's
+def wrap(plan, model, ctx, count_comm=True, mesh=None, precision=None, watch=None):
+    """Wrap ``model`` (already on ctx.device, policy applied) for plan.strategy. ``mesh``: FSDP's
     device mesh, if made already (the estimate makes it outside FakeTensorMode); ``precision``:
-    the run's, when ``cfg`` is a copy for another device (the estimate's). ``watch``: the
+    the run's, when ``plan`` is a copy for another device (the estimate's). ``watch``: the
     timeline's observer of each bucket's all-reduce (`CommCounter` calls it), DDP only."""
-    if is_fsdp(cfg.strategy):
+    if is_fsdp(plan.strategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from .blocks import resolve_blocks
-
-        mesh = mesh or fsdp_mesh(ctx.device.type, cfg)
-        dtype = mixed_dtype(cfg, precision)
+        mesh = mesh or fsdp_mesh(ctx.device.type, plan)
+        dtype = mixed_dtype(plan, precision)
         kw = {} if dtype is None else dict(mp_policy=MixedPrecisionPolicy(
             param_dtype=dtype, reduce_dtype=torch.float32))
         # zero2: each block keeps its gathered parameters from forward to the end of backward
@@ -118,30 +83,30 @@ def wrap(cfg, model, ctx, count_comm=True, mesh=None, precision=None, watch=None
         # reshard, and the root does not (torch 2.13 `_fsdp_state._lazy_init`: its parameters
         # are needed at once by backward), so the root is gathered once a step in every
         # strategy. Passing True would reshard the root too (a second all-gather)
-        if cfg.strategy == "zero2":
+        if plan.strategy == "zero2":
             kw["reshard_after_forward"] = False
-        for block in resolve_blocks(model, cfg.blocks_path):  # one FSDP unit per block, every stack
+        for block in resolve_blocks(model, plan.blocks):  # one FSDP unit per block, every stack
             fully_shard(block, mesh=mesh, **kw)
         fully_shard(model, mesh=mesh, **kw)
-        return model, optimizer_class(cfg)(model.parameters(), lr=cfg.lr), None
+        return model, optimizer_class(plan)(model.parameters(), lr=plan.lr), None
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-              static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters,
-              gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-              bucket_cap_mb=cfg.bucket_cap_mb)
+              static_graph=plan.static_graph, find_unused_parameters=plan.find_unused_parameters,
+              gradient_as_bucket_view=plan.gradient_as_bucket_view,
+              bucket_cap_mb=plan.bucket_cap_mb)
     comm = None
-    if count_comm or cfg.comm_hook or watch is not None:  # one comm hook: DDP takes only one
-        comm = CommCounter(*_compression(cfg), watch=watch).install(ddp)
-    if cfg.strategy == "ddp_zero1" or cfg.optimizer == "zero1":
+    if count_comm or plan.comm_hook or watch is not None:  # one comm hook: DDP takes only one
+        comm = CommCounter(*_compression(plan), watch=watch).install(ddp)
+    if plan.strategy == "ddp_zero1" or plan.optimizer == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=optimizer_class(cfg),
-                                            lr=cfg.lr)
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=optimizer_class(plan),
+                                            lr=plan.lr)
     else:
-        optimizer = optimizer_class(cfg)(ddp.parameters(), lr=cfg.lr)
+        optimizer = optimizer_class(plan)(ddp.parameters(), lr=plan.lr)
     return ddp, optimizer, comm if count_comm else None
 
 
-def fsdp_mesh(device_type, cfg=None):
+def fsdp_mesh(device_type, plan=None):
     """FSDP's 1-D mesh over the job's own process group, on the ranks' device; for
     ``strategy="hsdp"`` the 2-D mesh (replicate, shard) of `hsdp_mesh`.
 
@@ -154,8 +119,8 @@ def fsdp_mesh(device_type, cfg=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    if cfg is not None and cfg.strategy == "hsdp":
-        return hsdp_mesh(device_type, cfg.shard_size)
+    if plan is not None and plan.strategy == "hsdp":
+        return hsdp_mesh(device_type, plan.shard_size)
     return DeviceMesh.from_group(dist.group.WORLD, device_type)
 
 
@@ -183,9 +148,9 @@ def hsdp_mesh(device_type, shard_size):
                                  mesh_dim_names=("replicate", "shard"))
 
 
-def full_state_dict(cfg, wrapped, model):
+def full_state_dict(plan, wrapped, model):
     """Rank 0's complete weights on CPU, keys as in the plain model. Collective under FSDP."""
-    if is_fsdp(cfg.strategy):
+    if is_fsdp(plan.strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True,

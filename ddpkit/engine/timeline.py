@@ -149,15 +149,15 @@ class TimelineProbe:
         self.phase = None
 
     @classmethod
-    def from_config(cls, cfg, ctx):
-        """The probe a config asks for (``timeline_every``, ``link_gbps``,
+    def from_plan(cls, plan, ctx):
+        """The probe a plan asks for (``timeline_every``, ``link_gbps``,
         ``link_latency_us``), or None when it asks for neither."""
-        simulate = cfg.link_gbps is not None or cfg.link_latency_us > 0
-        if not cfg.timeline_every and not simulate:
+        simulate = plan.link_gbps is not None or plan.link_latency_us > 0
+        if not plan.timeline_every and not simulate:
             return None
-        link = SimulatedLink(ctx.world_size, cfg.link_gbps, cfg.link_latency_us) \
+        link = SimulatedLink(ctx.world_size, plan.link_gbps, plan.link_latency_us) \
             if simulate else None
-        return cls(ctx.rank, ctx.world_size, ctx.device, cfg.timeline_every, link)
+        return cls(ctx.rank, ctx.world_size, ctx.device, plan.timeline_every, link)
 
     def attach(self, wrapped):
         """After wrapping (collective): align the clocks; read DDP's own statistics of every
@@ -227,9 +227,10 @@ class TimelineProbe:
 
     # --- one step
     @contextmanager
-    def step(self, step, model, optimizer):
+    def step(self, step, model, optimizer, policy=None):
         """Around one optimizer step; records when ``step`` is probed. ``model``: the plain
-        module (its blocks in ``model._ddpkit_blocks``, the stacks a policy found, in order)."""
+        module; ``policy``: the `CheckpointPolicy` installed on it (its blocks are the stacks
+        the policy was applied to, in order; each run of its regions is timed)."""
         read_after = self._read_next  # DDP logs an iteration's timers at the next synced forward
         if not self.probed(step):
             yield self
@@ -238,7 +239,7 @@ class TimelineProbe:
             return
         self.rows, self._raw, self.step_index, self.micro = [], [], step, -1
         self.clock.start()
-        self._install(model, optimizer)
+        self._install(model, optimizer, policy)
         self.active = True
         t0 = self.clock.stamp()
         try:
@@ -249,7 +250,6 @@ class TimelineProbe:
             for h in self._handles:
                 h.remove()
             self._handles = []
-            policy = getattr(model, "checkpoint_policy", None)
             if policy is not None:
                 policy.on_region = None
             self.phase = None
@@ -291,7 +291,7 @@ class TimelineProbe:
                               nbytes))
 
     # --- hooks, installed for a probed step only (nothing runs on the others)
-    def _install(self, model, optimizer):
+    def _install(self, model, optimizer, policy):
         stamp, add, handles = self.clock.stamp, self._add, self._handles
         state = {}
 
@@ -316,11 +316,10 @@ class TimelineProbe:
 
         handles.append(model.register_forward_pre_hook(model_pre))
         handles.append(model.register_forward_hook(model_post))
-        stacks = getattr(model, "_ddpkit_blocks", None) or ()  # the stacks a policy found
+        stacks = policy.containers if policy is not None else ()  # the stacks it was put on
         for i, block in enumerate(b for stack in stacks for b in stack):
             handles.append(block.register_forward_pre_hook(self._block_pre(i, state)))
             handles.append(block.register_forward_hook(self._block_post(i, state)))
-        policy = getattr(model, "checkpoint_policy", None)
         if policy is not None:
             policy.on_region = self._region
         handles.append(optimizer.register_step_pre_hook(

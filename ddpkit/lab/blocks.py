@@ -7,8 +7,8 @@ it (``transformer.h.37``) in its tooltip. A line above says what is checkpointed
 The control only edits a `CheckpointSetting`: `setting()` reads it, `show(setting)` sets it
 (quietly), and a person's edit (a toggle, a button) calls the ``on_change`` callbacks with the
 new setting, once per edit. The blocks come as *stacks* (``[(path, names)]``), each with its own
-header and grid; the toggles are one flat list in model order, as the setting counts blocks. A
-model has one stack today; an encoder-decoder later gives two.
+header and grid; the toggles are one flat list in model order, as the setting counts blocks
+(T5's encoder and decoder: two stacks, two grids).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import html
 
 import ipywidgets as W
 
-from ..engine.policies import CheckpointSetting
+from ..spec.setting import CheckpointSetting
 
 COLUMNS = 10  # toggles per row: a row per ten blocks, so a block's row and column read its index
 STYLE = {"description_width": "110px"}
@@ -27,10 +27,11 @@ class BlockControl:
 
     def __init__(self, stacks, setting=None):
         self.stacks = [(path, list(names)) for path, names in stacks]
-        n = sum(len(names) for _, names in self.stacks)
+        self.sizes = tuple(len(names) for _, names in self.stacks)  # what a setting is bound to
+        n = sum(self.sizes)
         # made showing ``setting`` (none: no block checkpointed), so that each widget's comm
         # opens with its whole state (fit.py says why a later change can be lost on a page)
-        setting = setting if setting is not None else CheckpointSetting(None, n)
+        setting = setting if setting is not None else CheckpointSetting(None, self.sizes)
         mask = list(setting.mask) + [False] * n
         self.toggles, grids = [], []
         for path, names in self.stacks:
@@ -86,7 +87,7 @@ class BlockControl:
 
     def setting(self):
         """The per-block setting the toggles show (all off: no checkpointing)."""
-        return CheckpointSetting.from_mask([t.value for t in self.toggles])
+        return CheckpointSetting.from_mask([t.value for t in self.toggles], self.sizes)
 
     def show(self, setting):
         """Set the toggles and the line above them to ``setting`` (any form: segments too, as the
@@ -122,7 +123,7 @@ class BlockControl:
         mask = [t.value for t in self.toggles]
         for i in self.picked():
             mask[i] = on
-        setting = CheckpointSetting.from_mask(mask)
+        setting = CheckpointSetting.from_mask(mask, self.sizes)
         self.show(setting)
         self._tell(setting)
 

@@ -1,167 +1,148 @@
-"""Between the Lab's controls and a `TrainConfig`: the controls set from a config, the config the
-controls describe, what a moved control does (the estimate read-out follows it; mid-run, the
-settings that may change are sent to the ranks). Widgets only edit a config."""
+"""The Lab's controls, one row each (`CONTROLS`): the config field a control sets, its widget
+(made showing a config), how the widget's value becomes the field's value and back, whether it
+may change while a run goes, and how such a change reads on the plots.
+
+Every part of the Lab reads this table and nothing else about its controls: the view makes the
+widgets from it (and disables the rows that are not ``live`` while a run goes), the sync reads
+the widgets into a config and sends the live fields to the ranks, the ranks' `LiveSettings`
+apply the fields sent (the same step on every rank), and the plots label the step a change
+landed on with its row's ``mark``. Adding a control is adding a row (README, "Layout").
+
+The per-block checkpoint control (`blocks.BlockControl`) edits the same field as the segments
+row, ``checkpoint``: whichever a person edited last is the Lab's (`sync.ConfigSync`).
+"""
 from __future__ import annotations
 
-import html
-import threading
+from dataclasses import dataclass
+from typing import Callable
 
-from . import background
-from ..predict.estimate import estimate
-from ..predict.units import fmt_bytes
+import ipywidgets as W
 
+from ..spec.names import PRECISIONS
 
-class ConfigSync:
-    """``view``: the `LabView`; ``cfg``: the config the Lab started from (what the controls do
-    not edit comes from it); ``running()``: is a run going; ``send(**settings)``: to its ranks."""
-
-    def __init__(self, view, cfg, running, send):
-        self.view, self.cfg, self.running, self.send = view, cfg, running, send
-        self._syncing = False
-        self._selective = names_blocks(cfg)  # the blocks control's setting, or the slider's
-        self._wanted = None  # (generation, config, estimate) whose peak the read-out shows
-        self._generation = 0  # one more per read-out: a late peak of an older one is dropped
-        self._wake = threading.Condition()
-        threading.Thread(target=self._peaks, name="ddpkit-lab-peak", daemon=True).start()
-
-    def read_config(self, cfg):
-        """Set the controls from a config (without sending anything mid-run)."""
-        self._syncing = True
-        try:
-            self.view.controls["segments"].value = segments_of(cfg)
-            self.view.blocks.show(cfg.checkpointing)
-            self._selective = names_blocks(cfg)
-        finally:
-            self._syncing = False
-
-    def checkpoint_setting(self):
-        """What the controls say, a `CheckpointSetting`: the per-block control's once it was
-        edited, else the segments slider's (0: none)."""
-        return checkpoint_of(self.cfg, self.view, self._selective)
-
-    def config(self):
-        """The TrainConfig the controls describe (raises ValueError naming the field)."""
-        return described(self.cfg, self.view, self._selective)
-
-    def on_control(self, change):
-        if self._syncing:
-            return
-        if change["owner"] is self.view.controls["segments"]:
-            self._selective = False  # the blocks show what the segments cover
-            self.view.blocks.show(self.checkpoint_setting())
-        self.update_estimate()
-        self.send_live()
-
-    def on_blocks(self, setting):
-        """A person edited the per-block control (a toggle, or a range's button): ``setting``,
-        one per block, is the checkpointing now (sent once per edit)."""
-        if self._syncing:
-            return
-        self._selective = True
-        self.update_estimate()
-        self.send_live()
-
-    def set(self, **settings):
-        """Move controls from code, as a person would (``set(segments=2, accum_steps=4)``)."""
-        for name, value in settings.items():
-            if name == "checkpoint":
-                self.read_config(self.cfg.replace(checkpoint=value))
-                self.update_estimate()
-                self.send_live()
-            else:
-                self.view.controls[name].value = value
-
-    def send_live(self):
-        if not self.running():
-            return
-        try:
-            cfg = self.config()  # only settings that make a valid config are sent
-        except ValueError:
-            return
-        self.send(checkpoint=cfg.checkpoint, accum_steps=cfg.accum_steps)
-
-    def update_estimate(self):
-        view = self.view
-        with self._wake:
-            self._generation += 1
-        text, cfg, e = readout(self.config)
-        view.estimate_html.value = text
-        view.run_button.disabled = cfg is None or self.running()
-        if cfg is None:
-            return
-        with self._wake:  # the peak takes a simulated step: on a thread, the latest config only
-            self._wanted = (self._generation, cfg, e)
-            self._wake.notify()
-
-    def _peaks(self):
-        while True:
-            with self._wake:
-                while self._wanted is None:
-                    self._wake.wait()
-                generation, cfg, e = self._wanted
-                self._wanted = None
-            try:
-                p = background.run(e.peak)  # Python's end waits for it
-                top = sorted(((v, k) for k, v in p.ledger.items() if v), reverse=True)[:3]
-                text = (f"<b>the step's peak</b>: {fmt_bytes(p.bytes)} in the {p.phase} ("
-                        + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for v, k in top) + ")")
-            except Exception as exc:  # noqa: BLE001 (shown in the read-out, never raised here)
-                text = f"<span style='color:#b00'>{html.escape(f'{type(exc).__name__}: {exc}')}</span>"
-            with self._wake:
-                if generation == self._generation:  # no newer read-out meanwhile
-                    self.view.estimate_html.value = _readout(e, text)
-
-    def show_torchrun(self):
-        view = self.view
-        try:
-            view.torchrun_text.value = self.config().to_torchrun()
-        except ValueError as exc:  # a notebook-defined model has no import path
-            view.torchrun_text.value = str(exc)
-        view.torchrun_text.layout.display = ""
+STYLE = {"description_width": "110px"}
+BUCKET_MIB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+LINKS = (("loopback (real)", 0.0), ("100 Gbit/s (simulated)", 100.0),
+         ("10 Gbit/s (simulated)", 10.0), ("1 Gbit/s (simulated)", 1.0))
 
 
-def segments_of(cfg):
-    """The segments slider's value for ``cfg``'s checkpoint: its segments, else 0 (none, or
-    blocks named, which the blocks control shows)."""
-    return cfg.checkpoint if isinstance(cfg.checkpoint, int) else 0
+def _layout():
+    return W.Layout(width="auto", max_width="380px")
 
 
-def names_blocks(cfg):
-    """Does ``cfg``'s checkpoint name blocks (a mask or a pattern)? Then the blocks control's
-    setting is the Lab's, not the segments slider's."""
-    return isinstance(cfg.checkpoint, (list, str))
+@dataclass(frozen=True)
+class Control:
+    """One control of the Lab. ``widget(cfg, value)`` makes it showing ``value``;
+    ``to_config(value, cfg)``: the field's value for the widget's (``cfg``: the config being
+    described, for what the field is bound to); ``from_config(cfg)``: the widget's value for a
+    config (None: the field as it is); ``live``: it may change mid-run; ``mark(value,
+    setting)``: how a change of the field reads on the plots (``value`` as a record carries it,
+    ``setting`` the run's checkpoint setting; None: the field's name)."""
+    name: str
+    field: str
+    widget: Callable
+    to_config: Callable = None
+    from_config: Callable = None
+    live: bool = False
+    mark: Callable = None
+
+    def shown(self, cfg):
+        """The widget's value for ``cfg``."""
+        return getattr(cfg, self.field) if self.from_config is None else self.from_config(cfg)
+
+    def make(self, cfg):
+        return self.widget(cfg, self.shown(cfg))
+
+    def value(self, widget_value, cfg):
+        """The field's value for the widget's."""
+        return widget_value if self.to_config is None else self.to_config(widget_value, cfg)
 
 
-def checkpoint_of(cfg, view, selective):
-    """The `CheckpointSetting` ``view``'s controls say: its blocks control's when ``selective``
-    (it was edited last, or the config named blocks), else its segments slider's (0: none)."""
-    if selective:
-        return cfg.setting(view.blocks.setting().value)
-    return cfg.setting(view.controls["segments"].value or None)
+def slider(description, low, high):
+    return lambda cfg, v: W.IntSlider(v, low, high, description=description, style=STYLE,
+                                      layout=_layout())
 
 
-def described(cfg, view, selective):
-    """The TrainConfig ``view``'s controls describe, the rest from ``cfg`` (raises ValueError
-    naming the field). A control shows a value within its range: a config's value outside it
-    (``micro_batch=100`` on a slider to 64) is the control's."""
-    v = {k: w.value for k, w in view.controls.items() if k != "segments"}
-    v.update({k: v[k] or None for k in ("bucket_cap_mb", "link_gbps")})  # 0: torch's/none
-    return cfg.replace(checkpoint=checkpoint_of(cfg, view, selective).plain, **v)
+def checkbox(description):
+    return lambda cfg, v: W.Checkbox(v, description=description, indent=False)
 
 
-def readout(describe):
-    """The read-out of the config ``describe()`` gives, before its peak is simulated (on the
-    thread): ``(html, config, estimate)``; a refused config gives its error and ``None, None``."""
-    try:
-        cfg = describe()
-    except ValueError as exc:
-        return f"<span style='color:#b00'>{html.escape(str(exc))}</span>", None, None
-    e = estimate(cfg)
-    return _readout(e, "<i>simulating the step...</i>"), cfg, e
+def _segments(cfg, v):
+    # segments are made in each stack: at most the shortest stack's blocks
+    return W.IntSlider(v, 0, min(cfg.checkpoint.stacks), description="ckpt segments",
+                       style=STYLE, layout=_layout(),
+                       tooltip="0 = off; s = checkpoint_sequential segments in each stack (the "
+                               "last segment is never checkpointed)")
 
 
-def _readout(e, peak_text):
-    return (f"<div style='line-height:1.35'><b>predicted per rank</b>: params "
-            f"{fmt_bytes(e.params)}, grads {fmt_bytes(e.grads)}, optimizer "
-            f"{fmt_bytes(e.optimizer)}, activations {fmt_bytes(e.activations)} (one "
-            f"micro-batch); {peak_text}</div>")
+def _with_value_of(value, label, options):
+    """``options`` and, when ``value`` is none of them, ``value`` as its own option."""
+    return options + ([(label, value)] if value and value not in dict(options).values() else [])
+
+
+def _bucket(cfg, v):
+    caps = _with_value_of(v, f"{v:g}", [("torch default", 0.0)] +
+                          [(f"{b:g}", float(b)) for b in BUCKET_MIB])
+    return W.SelectionSlider(options=caps, value=v, description="bucket MiB", style=STYLE,
+                             layout=_layout())
+
+
+def _link(cfg, v):
+    links = _with_value_of(v, f"{v:g} Gbit/s (simulated)", list(LINKS))
+    return W.Dropdown(options=links, value=v, description="link", style=STYLE, layout=_layout())
+
+
+def _zero_is_none(value, cfg):
+    return value or None
+
+
+CONTROLS = [
+    Control("world_size", "world_size", slider("world size", 1, 8)),
+    # 0 on the slider is no checkpointing; the setting is bound to the config's stacks
+    Control("segments", "checkpoint", _segments,
+            to_config=lambda v, cfg: cfg.checkpoint.with_value(v or None),
+            from_config=lambda cfg: cfg.checkpoint.segment_count or 0, live=True,
+            mark=lambda v, setting: setting.with_value(v).label()),
+    Control("use_reentrant", "use_reentrant", checkbox("use_reentrant")),
+    Control("accum_steps", "accum_steps", slider("accum steps", 1, 16), live=True,
+            mark=lambda v, setting: f"accum {v}"),
+    Control("micro_batch", "micro_batch", slider("micro batch", 1, 64)),
+    Control("precision", "precision",
+            lambda cfg, v: W.Dropdown(options=list(PRECISIONS), value=v, description="precision",
+                                      style=STYLE, layout=_layout())),
+    Control("no_sync", "no_sync", checkbox("no_sync")),
+    Control("steps", "steps",
+            lambda cfg, v: W.BoundedIntText(v, 1, 100_000, description="steps", style=STYLE,
+                                            layout=_layout())),
+    # [timeline] DDP's bucket size (0: torch's default, 25 MiB) and the simulated link (0: the
+    # real transport); both make a new DDP wrapper, so they are fixed while a run goes
+    Control("bucket_cap_mb", "bucket_cap_mb", _bucket, to_config=_zero_is_none,
+            from_config=lambda cfg: float(cfg.bucket_cap_mb or 0)),
+    Control("link_gbps", "link_gbps", _link, to_config=_zero_is_none,
+            from_config=lambda cfg: float(cfg.link_gbps or 0)),
+]
+
+
+def control(name):
+    """The row of the control named ``name``."""
+    return next(c for c in CONTROLS if c.name == name)
+
+
+def live_fields():
+    """The config fields a run takes mid-run: what the Lab sends its ranks."""
+    return list(dict.fromkeys(c.field for c in CONTROLS if c.live))
+
+
+def change_text(rec, setting=None):
+    """A short label for a mid-run change: 'step 12: 2 segments per stack', 'step 30: accum 4':
+    each changed field as its control's row marks it (``setting``: the run's checkpoint
+    setting, whose stacks a checkpoint change is read on)."""
+    marks = {c.field: c.mark for c in CONTROLS if c.mark is not None}
+    parts = []
+    for field in rec["changed"].split(","):
+        mark = marks.get(field)
+        if mark is None or (field == "checkpoint" and setting is None):
+            parts.append(field)
+        else:
+            parts.append(mark(rec.get(field, "?"), setting))
+    return f"step {rec['step']}: " + ", ".join(parts)

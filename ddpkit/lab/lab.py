@@ -6,23 +6,26 @@ ranks train. A change of checkpoint segments (or per-block toggles) or of accumu
 during a run is sent to rank 0, which broadcasts it: it lands on every rank at the same optimizer
 step, and the plots mark that step. Controls that cannot change mid-run are disabled meanwhile.
 
-The Lab is its five jobs put together, each in its own file: `lab_view.py` builds the widgets
-(`lab_blocks.py` the per-block checkpoint control),
-`lab_config.py` keeps them and the config in step, `lab_runs.py` holds the warm pool and the
-doctor's banner, `lab_follow.py` follows a run (figures, progress, error banner) and
-`lab_history.py` writes and shows one row per finished run.
+The Lab is its jobs put together, each in its own file: `controls.py` is the table of its
+controls (one row each), `view.py` builds the widgets from it (`blocks.py` the per-block
+checkpoint control), `sync.py` keeps them and the config in step, `runner.py` starts runs and
+shows the doctor's banner, `follow.py` follows a run (figures, progress, error banner),
+`history.py` writes and shows one row per finished run, `plan_panel.py` is the planner box and
+`peak_panel.py` the peak beside the memory plot; `background.py` is the Lab's one predictor
+thread (the simulated steps), which `close` stops.
 """
 from __future__ import annotations
 
 from ..config import TrainConfig
 from ..predict.estimate import activation_bytes
 from ..runs.timeline import link_label
-from .controls import ConfigSync, described, names_blocks, readout
+from .background import Predictor
 from .follow import RunFollower
 from .peak_panel import PeakPanel
 from .plan_panel import PlanPanel
 from .plots import LivePlots, check_ema
 from .runner import LabRunner
+from .sync import ConfigSync, described, readout
 from .timeline import LiveTimeline
 from .view import LabView
 
@@ -46,16 +49,17 @@ class Lab:
         self.cfg = cfg or TrainConfig()
         self.history = []
         self._handle = None
-        self.peaks = PeakPanel()  # beside the memory plot: each rank's peak, and its ledger
+        self.predictor = Predictor()  # the Lab's one thread for simulated steps; close() ends it
+        self.peaks = PeakPanel(self.predictor)  # beside the memory plot: each rank's peak
         self.plots = LivePlots(self.cfg.world_size, max_hz=max_hz, ema=ema,
                                beside_memory=self.peaks.widget)
         self.timeline = LiveTimeline(self.cfg.world_size, max_hz=1.0)  # [timeline] swimlanes
-        # a budget or a GPU in: the block toggles set to the plan, through this Lab's `set`
-        self.planner = PlanPanel(self)
+        # a budget or a GPU in: the checkpoint controls set to the plan, as a person would
+        self.planner = PlanPanel(self.config, lambda p: self.set(checkpoint=p.checkpoint))
         self.view = LabView(self.cfg, self.plots, self.planner, self.timeline,
                             readout=self._first_readout)
         self.sync = ConfigSync(self.view, self.cfg, lambda: self.running,
-                               lambda **kw: self._handle.send_control(**kw))
+                               lambda **kw: self._handle.send_control(**kw), self.predictor)
         self.runner = LabRunner(self.view)
         self.follower = RunFollower(self.view, self.plots, self.history, self.peaks,
                                     self.timeline)
@@ -71,7 +75,8 @@ class Lab:
     def _first_readout(self, view):
         """What the read-out says of ``view``'s controls as they are made (the view shows it
         from the start: its comm opens whole), and whether Run may start."""
-        text, cfg, _ = readout(lambda: described(self.cfg, view, names_blocks(self.cfg)))
+        chosen = self.cfg.checkpoint if self.cfg.checkpoint.names_blocks else None
+        text, cfg, _ = readout(lambda: described(self.cfg, view, chosen))
         return text, cfg is not None
 
     def _wire(self):
@@ -128,22 +133,17 @@ class Lab:
         """What the doctor found in the current (or last) run's config."""
         return self.runner.findings
 
-    @property
-    def _pool(self):
-        return self.runner.pool
-
     def run(self):
         """Start a run of the current config; returns at once (see ``wait``)."""
         if self.running or self.follower.alive:
             raise RuntimeError("a run is already going in this lab; stop() or wait() first")
         cfg = self.config()
-        self.runner.pool_for(cfg)
         self.follower.reset(cfg)
         self.runner.check(cfg)
         self.view.output.clear_output()
-        self.plots.new_run(cfg.world_size, label=f"run {len(self.history)}", n_blocks=cfg.n_blocks,
-                           predict=lambda rec: activation_bytes(
-                               cfg, cfg.setting(rec["checkpoint"])))
+        self.plots.new_run(cfg.world_size, label=f"run {len(self.history)}",
+                           setting=cfg.checkpoint, predict=lambda rec: activation_bytes(
+                               cfg, cfg.checkpoint.with_value(rec["checkpoint"])))
         self.peaks.new_run(cfg)
         self.timeline.new_run(cfg.world_size, link_label(cfg))  # [timeline]
         self.view.set_running(True)
@@ -166,10 +166,11 @@ class Lab:
         return self.wait()
 
     def close(self):
-        """Stop any run and let go of the warm ranks: they are the kernel's shared pool, kept
-        for the next run until idle ``DDPKIT_POOL_IDLE_S`` seconds or `ddpkit.shutdown()`."""
+        """Stop any run and end the Lab's predictor thread. The warm ranks its runs used are
+        the kernel's shared pool, kept for the next run until idle ``DDPKIT_POOL_IDLE_S``
+        seconds or `ddpkit.shutdown()`."""
         self.stop()
-        self.runner.close()
+        self.predictor.close()
 
     def __enter__(self):
         return self

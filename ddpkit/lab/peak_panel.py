@@ -3,18 +3,16 @@ predicted with the error in %, and one stacked bar of what each is made of (the 
 
 Predictions come from `ddpkit.predict.peak` (the rank's step simulated on fake tensors), one per
 (checkpoint setting, accumulation steps, step 0 or steady, rank) a record asks for, worked out on
-a thread of the panel's own (a cold simulation takes seconds at real sizes), so neither the
-kernel nor the figures wait for them. Redrawn at most once a second.
+the Lab's predictor thread (`background.Predictor`: a cold simulation takes seconds at real
+sizes), so neither the kernel nor the figures wait for them. Redrawn at most once a second.
 """
 from __future__ import annotations
 
 import html
-import queue
 import threading
-import time
 
 from ..engine.memory import KINDS
-from . import background
+from .background import Pace
 from .fit import figure
 from ..predict.estimate import estimate
 from ..predict.units import byte_unit, fmt_bytes
@@ -26,19 +24,18 @@ KIND_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state
 
 def _key(rec):
     """What a record's prediction depends on: its setting, accumulation, step and rank."""
-    checkpoint = rec.get("checkpoint")
-    checkpoint = tuple(checkpoint) if isinstance(checkpoint, list) else checkpoint
-    return checkpoint, rec.get("accum_steps"), min(rec["step"], 1), rec["rank"]
+    return rec.get("checkpoint"), rec.get("accum_steps"), min(rec["step"], 1), rec["rank"]
 
 
 class PeakPanel:
     """``widget``: the stacked bar and the table. ``new_run(cfg)``, ``add(record)`` (from the
-    drain thread), ``refresh()`` (from the Lab's refresher)."""
+    drain thread), ``refresh()`` (from the Lab's refresher). ``predictor``: the Lab's
+    `background.Predictor`, which works the predictions out."""
 
-    def __init__(self, height=330, min_period=1.0):
+    def __init__(self, predictor, height=330, min_period=1.0):
         import ipywidgets as W
 
-        self.min_period = min_period
+        self.predictor, self.min_period = predictor, min_period
         self.figure = figure(dict(
             title=dict(text="what the peak is made of", x=0.01, xanchor="left", y=0.98,
                        yanchor="top", font=dict(size=14)),
@@ -50,15 +47,12 @@ class PeakPanel:
         self.cfg, self.last, self.predicted = None, {}, {}
         self._lock = threading.Lock()
         self._asked = set()
-        self._todo = queue.Queue()
-        self._drawn = 0.0
-        self._dirty = False
-        threading.Thread(target=self._predict_forever, name="ddpkit-peak-panel",
-                         daemon=True).start()
+        self._pace = Pace(min_period)  # a new record or prediction: redrawn at this pace
 
     def new_run(self, cfg):
         with self._lock:
-            self.cfg, self.last, self._dirty = cfg, {}, True
+            self.cfg, self.last = cfg, {}
+        self._pace.put()
         self.table.value = ""
 
     def add(self, record):
@@ -67,39 +61,32 @@ class PeakPanel:
         key = _key(record)
         with self._lock:
             self.last[record["rank"]] = record
-            self._dirty = True
             cfg = self.cfg
             ask = (id(cfg), key) not in self._asked
             self._asked.add((id(cfg), key))
+        self._pace.put()
         if ask:
-            self._todo.put((cfg, key))
+            self.predictor.submit(lambda: self._predict(cfg, key))
 
-    def _predict_forever(self):
-        while True:
-            cfg, key = self._todo.get()
-            checkpoint, accum, step, rank = key
-            try:
-                run = cfg.replace(checkpoint=list(checkpoint) if isinstance(checkpoint, tuple)
-                                  else checkpoint, accum_steps=accum)
-                # the trace and the simulated step: Python's end waits for them
-                peak = background.run(lambda: estimate(run).peak(step=step, rank=rank))
-            except Exception as exc:  # shown in the table, never raised into a thread
-                peak = exc
-            with self._lock:
-                self.predicted[id(cfg), key] = peak
-                self._dirty = True
+    def _predict(self, cfg, key):
+        checkpoint, accum, step, rank = key
+        try:
+            run = cfg.replace(checkpoint=cfg.checkpoint.with_value(checkpoint), accum_steps=accum)
+            peak = estimate(run).peak(step=step, rank=rank)  # the trace and the simulated step
+        except Exception as exc:  # noqa: BLE001 (shown in the table, never raised here)
+            peak = exc
+        with self._lock:
+            self.predicted[id(cfg), key] = peak
+        self._pace.put()
 
     def refresh(self, force=False):
         """Redraw if something changed (at most once per ``min_period`` unless ``force``)."""
-        now = time.monotonic()
-        if not self._dirty or (not force and now - self._drawn < self.min_period):
+        if self._pace.take(force) is None:
             return False
         with self._lock:
-            self._dirty = False
             cfg, last = self.cfg, dict(self.last)
             pairs = [(rec, self.predicted.get((id(cfg), _key(rec)))) for _, rec in
                      sorted(last.items())]
-        self._drawn = now
         self._draw(pairs)
         return True
 

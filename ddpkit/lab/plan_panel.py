@@ -1,6 +1,7 @@
-"""The Lab's planner box: a memory budget (or a GPU) in, the block toggles set to `ddpkit.plan`'s
-choice, the predicted bytes and FLOP ratio shown. Like every Lab control it only edits the
-config (the checkpoint setting), through the Lab's own ``set``."""
+"""The Lab's planner box: a memory budget (or a GPU) in, `ddpkit.plan`'s choice out, the
+predicted bytes and FLOP ratio shown. It knows nothing of the Lab: it plans for the config
+``describe()`` gives and reports a plan that fits to ``on_plan`` (the Lab sets its checkpoint
+controls to it, as a person would)."""
 from __future__ import annotations
 
 import html
@@ -15,8 +16,8 @@ NO_GPU = "(budget)"
 
 
 class PlanPanel:
-    def __init__(self, lab):
-        self.lab = lab
+    def __init__(self, describe, on_plan):
+        self.describe, self.on_plan = describe, on_plan
         self.budget = W.Text(placeholder="e.g. 12GiB", description="memory budget",
                              continuous_update=False, style={"description_width": "110px"},
                              layout=W.Layout(width="230px"))
@@ -30,14 +31,14 @@ class PlanPanel:
         self.widget = W.VBox([row, self.readout])
 
     def apply(self):
-        """Plan for what the boxes say and set the Lab's block toggles to it."""
+        """Plan for what the boxes say; a plan that fits goes to ``on_plan``."""
         gpu, text = self.gpu.value, self.budget.value.strip()
         if gpu == NO_GPU and not text:
             self.readout.value = ""
             return None
         try:
             budget = gpu if gpu != NO_GPU else parse_bytes(text)
-            p = plan(self.lab.config(), budget)
+            p = plan(self.describe(), budget)
         except ValueError as exc:
             self.readout.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
             return None
@@ -48,7 +49,7 @@ class PlanPanel:
             self.readout.value = (f"<b>nothing fits {p.budget / MIB:.2f} MiB</b> with any "
                                   f"checkpoint choice; instead:<ul>{alts}</ul>")
             return p
-        self.lab.set(checkpoint=p.checkpoint)
+        self.on_plan(p)
         c = p.choice
         self.readout.value = (f"plan: {sum(c.mask)} of {len(c.mask)} blocks checkpointed, "
                               f"{c.total / MIB:.2f} MiB of {p.budget / MIB:.2f} MiB per rank, "

@@ -18,13 +18,13 @@ overlay; older ones are dropped.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 
 import anywidget
 import traitlets
 
-from ..engine.policies import CheckpointSetting
+from .background import Pace
+from .controls import change_text
 from .fit import grid, held, opened
 from ..predict.units import MIB, byte_unit
 
@@ -162,9 +162,7 @@ class LivePlots:
                  beside_memory=None):
         check_ema(ema, "LivePlots")
         self.max_hz, self.max_points, self.ema = max_hz, max_points, ema
-        self._lock = threading.Lock()
-        self._pending = []
-        self._last_flush = 0.0
+        self._pace = Pace(1.0 / max_hz)  # records from the drain thread, flushed at this pace
         self.flushes = 0
         self._uid = f"ddpkit-plots-{next(_ids)}-{int(time.time() * 1000) % 10**6}"
         # legends above the plot area, wrapped to its width: nothing is cut at the right edge
@@ -203,11 +201,11 @@ class LivePlots:
         return [self.loss, self.memory, self.timing]
 
     # --- runs
-    def new_run(self, world_size, predict=None, label="run", n_blocks=None):
+    def new_run(self, world_size, predict=None, label="run", setting=None):
         """Fade the traces of the run before (dropping older ones) and start fresh ones.
-        ``n_blocks``: the model's block count, for the labels of checkpoint changes."""
-        with self._lock:
-            self._pending.clear()
+        ``setting``: the run's `CheckpointSetting` (its stacks), for the labels of checkpoint
+        changes."""
+        self._pace.clear()
         for fig in self.figures:
             with fig.batch_update():
                 if any(t.meta == "faded" for t in fig.data):  # only the last run stays
@@ -240,7 +238,7 @@ class LivePlots:
         if predict is not None:
             self._add(self.memory, ("predicted", 0), "activations predicted", PREDICTED,
                       dash="dash", width=2.5)
-        self._label, self._n_blocks = label, n_blocks
+        self._label, self._setting = label, setting
 
     def _add(self, fig, key, name, color, dash=None, mode="lines", yaxis=None, width=2,
              opacity=1.0, marker=None):
@@ -252,8 +250,7 @@ class LivePlots:
 
     # --- records (drain thread)
     def add(self, record):
-        with self._lock:
-            self._pending.append(record)
+        self._pace.put(record)
 
     def mark(self, step, text):
         """A vertical line where a mid-run change landed, on every figure; its label (on the
@@ -280,14 +277,9 @@ class LivePlots:
         return self._mem_unit[1]
 
     def flush(self, force=False):
-        now = time.monotonic()
-        if not force and now - self._last_flush < 1.0 / self.max_hz:
+        batch = self._pace.take(force)
+        if batch is None:
             return False
-        with self._lock:
-            batch, self._pending = self._pending, []
-        if not batch:
-            return False
-        self._last_flush = now
         marks = []
         for rec in batch:
             r, step = rec["rank"], rec.get("step")
@@ -312,7 +304,7 @@ class LivePlots:
                 t.xs.append(step)
                 t.ys.append(self._predict(rec) / (mem or MIB))
             if rec.get("changed") and r == 0:
-                marks.append((step, _change_text(rec, self._n_blocks)))
+                marks.append((step, change_text(rec, self._setting)))
         self._calls_axis()
         self._send()
         for step, text in marks:
@@ -379,17 +371,3 @@ class LivePlots:
         """Every value a trace has received this run (tests read this)."""
         t = self._traces.get((key, rank))
         return list(t.ys) if t is not None else []
-
-
-def _change_text(rec, n_blocks=None):
-    """A short label for a mid-run change: 'step 12: 2 segments', 'step 30: accum 4'; the
-    checkpoint setting as `CheckpointSetting.label` says it."""
-    parts = []
-    for kind in rec["changed"].split(","):
-        if kind == "checkpoint" and n_blocks is not None:
-            parts.append(CheckpointSetting.of(rec["checkpoint"], n_blocks).label())
-        elif kind == "accum_steps":
-            parts.append(f"accum {rec.get('accum_steps', '?')}")
-        else:
-            parts.append(kind)
-    return f"step {rec['step']}: " + ", ".join(parts)

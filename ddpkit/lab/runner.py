@@ -1,12 +1,12 @@
-"""What the Lab runs on: the kernel's shared warm pool for its world size (the one `train`
-uses; fresh ranks while that pool runs something else), and `ddpkit.doctor`'s look at each
-config before its run: its warnings in a yellow banner, its notes in a quiet line."""
+"""How the Lab starts its runs: `train` on the kernel's shared warm pool for the run's world
+size (``pool="shared"``; fresh ranks while that pool runs something else), and
+`ddpkit.doctor`'s look at each config before its run: its warnings in a yellow banner, its
+notes in a quiet line."""
 from __future__ import annotations
 
 import html
 
 from ..runs.train import check_config, train
-from ..runtime.pool import shared_pool
 
 
 class LabRunner:
@@ -14,14 +14,7 @@ class LabRunner:
 
     def __init__(self, view):
         self.view = view
-        self.pool = None
         self.findings = []
-
-    def pool_for(self, cfg):
-        """The shared warm pool of ``cfg.world_size`` ranks, started now if it is not up (so
-        the doctor's look and the plots' reset overlap the ranks' start)."""
-        self.pool = shared_pool(cfg.world_size, cfg.backend, cfg.device).warm()
-        return self.pool
 
     def check(self, cfg):
         """The doctor on ``cfg``: what to act on goes to the yellow banner, notes (what ddpkit
@@ -33,15 +26,10 @@ class LabRunner:
         return self.findings
 
     def train(self, cfg, on_metric, on_output):
-        """Start ``cfg`` on the shared pool `pool_for` brought up, live (mid-run changes), without
+        """Start ``cfg`` on the kernel's shared pool, live (mid-run changes), without
         blocking."""
-        return train(cfg, pool=None, block=False, live=True, check=False,
+        return train(cfg, pool="shared", block=False, live=True, check=False,
                      on_metric=on_metric, on_output=on_output)
-
-    def close(self):
-        """The Lab lets go of the shared pool: its ranks stay warm for the kernel's next run
-        until they have been idle ``DDPKIT_POOL_IDLE_S`` seconds, or `ddpkit.shutdown()`."""
-        self.pool = None
 
 
 def _item(f):

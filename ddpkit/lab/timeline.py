@@ -1,38 +1,15 @@
-"""The Lab's timeline: its controls (DDP's bucket size, the simulated link) and `LiveTimeline`,
-the swimlanes of the last probed step and the exposed communication per step, fed while a run
-goes (the rows: `ddpkit.runs.timeline`; the figures' traces and layouts: `ddpkit.runs.figures`).
+"""The Lab's timeline, `LiveTimeline`: the swimlanes of the last probed step and the exposed
+communication per step, fed while a run goes (the rows: `ddpkit.runs.timeline`; the figures'
+traces and layouts: `ddpkit.runs.figures`; its controls, DDP's bucket size and the simulated
+link, are rows of `controls.CONTROLS`).
 """
 from __future__ import annotations
-
-import threading
-import time
 
 from ..runs.figures import (COLORS, exposed_layout, lanes_height, titled, swimlane_layout,
                             swimlane_traces)
 from ..runs.timeline import overlap, timeline_frame
+from .background import Pace
 from .fit import grid, held, opened
-
-BUCKET_MIB = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
-LINKS = (("loopback (real)", 0.0), ("100 Gbit/s (simulated)", 100.0),
-         ("10 Gbit/s (simulated)", 10.0), ("1 Gbit/s (simulated)", 1.0))
-
-
-def timeline_controls(cfg, style, layout):
-    """The Lab's controls for the knobs the timeline shows: DDP's bucket size (0: torch's
-    default) and the simulated link (0: the real transport). They only edit the config."""
-    import ipywidgets as W
-
-    caps = [("torch default", 0.0)] + [(f"{v:g}", float(v)) for v in BUCKET_MIB]
-    if cfg.bucket_cap_mb and float(cfg.bucket_cap_mb) not in dict(caps).values():
-        caps.append((f"{cfg.bucket_cap_mb:g}", float(cfg.bucket_cap_mb)))
-    links = list(LINKS)
-    if cfg.link_gbps and float(cfg.link_gbps) not in dict(links).values():
-        links.append((f"{cfg.link_gbps:g} Gbit/s (simulated)", float(cfg.link_gbps)))
-    return {"bucket_cap_mb": W.SelectionSlider(options=caps, value=float(cfg.bucket_cap_mb or 0),
-                                               description="bucket MiB", style=style,
-                                               layout=layout()),
-            "link_gbps": W.Dropdown(options=links, value=float(cfg.link_gbps or 0),
-                                    description="link", style=style, layout=layout())}
 
 
 class LiveTimeline:
@@ -42,7 +19,7 @@ class LiveTimeline:
 
     def __init__(self, world_size=2, max_hz=1.0):
         self.max_hz = max_hz
-        self._lock, self._pending, self._last = threading.Lock(), [], 0.0
+        self._pace = Pace(1.0 / max_hz)  # records from the drain thread, redrawn at this pace
         self.redraws = 0
         self.lanes = held(swimlane_layout(world_size, "-"))
         self.exposed = held(exposed_layout(None))
@@ -54,8 +31,7 @@ class LiveTimeline:
         self.widget = grid([self.lanes, self.exposed])
 
     def new_run(self, world_size, link=None):
-        with self._lock:
-            self._pending = []
+        self._pace.clear()
         self.world_size, self.link, self._rows, self._over = world_size, link, {}, []
         with self.lanes.batch_update():
             self.lanes.data = []
@@ -72,19 +48,13 @@ class LiveTimeline:
 
     def add(self, record):
         if "timeline" in record:
-            with self._lock:
-                self._pending.append(record)
+            self._pace.put(record)
 
     def flush(self, force=False):
-        """Redraw if a probed step arrived and (unless ``force``) a second has passed."""
-        now = time.monotonic()
-        if not force and now - self._last < 1.0 / self.max_hz:
+        """Redraw if a probed step arrived and (unless ``force``) a period has passed."""
+        batch = self._pace.take(force)
+        if batch is None:
             return False
-        with self._lock:
-            batch, self._pending = self._pending, []
-        if not batch:
-            return False
-        self._last = now
         for rec in batch:
             self._rows.setdefault(rec["step"], {})[rec["rank"]] = rec
         done = [s for s, by in self._rows.items() if len(by) == self.world_size]

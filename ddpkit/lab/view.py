@@ -1,19 +1,15 @@
-"""The Lab's widgets, built and laid out: one control per config field the Lab edits, the
-per-block checkpoint control (`lab_blocks.BlockControl`), the planner box, the run's buttons and
-read-outs. Nothing here acts: `widgets.Lab` wires them to what they do."""
+"""The Lab's widgets, built and laid out: one per row of the control table
+(`controls.CONTROLS`), the per-block checkpoint control (`blocks.BlockControl`), the planner
+box, the run's buttons and read-outs. Nothing here acts: `lab.Lab` wires them to what they do."""
 from __future__ import annotations
 
 import ipywidgets as W
 
-from ..config import PRECISIONS
-from ..engine.blocks import block_names
+from ..spec.blocks import block_names
 from .blocks import BlockControl
-from .controls import segments_of
-from .timeline import timeline_controls
+from .controls import CONTROLS
 
 FIXED_TIP = "fixed while a run goes: it needs new processes or a new model (Stop first)"
-FIXED_DURING_A_RUN = ("world_size", "precision", "micro_batch", "steps", "use_reentrant",
-                      "no_sync", "bucket_cap_mb", "link_gbps")  # the last two: a new DDP wrapper
 
 
 class LabView:
@@ -22,9 +18,9 @@ class LabView:
 
     def __init__(self, cfg, plots, planner, timeline=None, readout=None):
         # every widget is made showing ``cfg``, and the read-out what ``readout(view)`` says of
-        # the controls (`lab_config.readout`), so that its comm opens with its whole state: a
-        # page that asks the kernel for every widget's state while the cell runs can be handed
-        # a widget as it was when its comm opened, after the changes that followed (fit.py)
+        # the controls (`sync.readout`), so that its comm opens with its whole state: a page
+        # that asks the kernel for every widget's state while the cell runs can be handed a
+        # widget as it was when its comm opened, after the changes that followed (fit.py)
         self.plots, self.planner, self.timeline = plots, planner, timeline
         self._build_controls(cfg)
         text, ok = ("", True) if readout is None else readout(self)
@@ -32,36 +28,13 @@ class LabView:
         self._lay_out()
 
     def _build_controls(self, c):
-        """One control per config field the Lab edits, and the per-block control (one toggle
-        per detected block, named as the model names it)."""
-        n = c.n_blocks
-        shortest = min(c.stack_sizes or (n,))  # segments are made in each stack
-        style = {"description_width": "110px"}
-        full = lambda: W.Layout(width="auto", max_width="380px")  # noqa: E731
-        self.controls = {
-            "world_size": W.IntSlider(c.world_size, 1, 8, description="world size", style=style,
-                                      layout=full()),
-            "segments": W.IntSlider(segments_of(c), 0, shortest, description="ckpt segments",
-                                    style=style, layout=full(),
-                                    tooltip="0 = off; s = checkpoint_sequential segments in each "
-                                            "stack (the last segment is never checkpointed)"),
-            "use_reentrant": W.Checkbox(c.use_reentrant, description="use_reentrant",
-                                        indent=False),
-            "accum_steps": W.IntSlider(c.accum_steps, 1, 16, description="accum steps",
-                                       style=style, layout=full()),
-            "micro_batch": W.IntSlider(c.micro_batch, 1, 64, description="micro batch",
-                                       style=style, layout=full()),
-            "precision": W.Dropdown(options=list(PRECISIONS), value=c.precision,
-                                    description="precision", style=style, layout=full()),
-            "no_sync": W.Checkbox(c.no_sync, description="no_sync", indent=False),
-            "steps": W.BoundedIntText(c.steps, 1, 100_000, description="steps", style=style,
-                                      layout=full()),
-            **timeline_controls(c, style, full),  # [timeline] DDP's bucket size, simulated link
-        }
+        """One widget per row of the control table, and the per-block control (one toggle per
+        detected block, named as the model names it)."""
+        self.controls = {row.name: row.make(c) for row in CONTROLS}
         # the blocks the config found in the model, stack by stack (their full module names as
         # tooltips), counted over all stacks in order
         self.blocks = BlockControl([(s.path, block_names([(s.path, s.n_blocks)]))
-                                    for s in c.info.stacks], c.checkpointing)
+                                    for s in c.info.stacks], c.checkpoint)
         self.block_toggles = self.blocks.toggles
 
     def _build_run_widgets(self, cfg, readout, ok):
@@ -109,10 +82,12 @@ class LabView:
                              _dom_classes=["ddpkit-lab"])  # the browser test finds the lab so
 
     def set_running(self, on):
-        """Controls that cannot change mid-run are disabled meanwhile, with the reason."""
-        for name in FIXED_DURING_A_RUN:
-            w = self.controls[name]
-            w.disabled = on
-            w.tooltip = FIXED_TIP if on else ""
+        """Controls that cannot change mid-run (not ``live`` in the table) are disabled
+        meanwhile, with the reason."""
+        for row in CONTROLS:
+            if not row.live:
+                w = self.controls[row.name]
+                w.disabled = on
+                w.tooltip = FIXED_TIP if on else ""
         self.run_button.disabled = on
         self.stop_button.disabled = not on

@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 from ..engine.data import first_batch, make_dataset
-from ..engine.spec import BUILTIN, build_model, call_factory, compute_loss, prepare_for_training
+from ..spec.model import BUILTIN, build_model, call_factory, compute_loss, prepare_for_training
 from .observe import Watch, install_checkpoint, loss_of, measure, where
 from .rules import Finding, Findings, findings
 
@@ -77,7 +77,7 @@ def _own_settings(model, cfg):
         shown = ", ".join(sorted(values)) if len(values) > 1 else next(iter(values))
         said = (f"the model's own gradient checkpointing is on (is_gradient_checkpointing="
                 f"{flag}, use_reentrant={'mixed: ' * (len(values) > 1)}{shown}): ddpkit turns it "
-                f"off for its runs and checkpoints by TrainConfig.checkpoint={cfg.checkpoint!r} "
+                f"off for its runs and checkpoints by TrainConfig.checkpoint={cfg.checkpoint.plain!r} "
                 f"instead.")
         if values & {"True", "not passed"}:
             out.append(Finding(
@@ -94,7 +94,7 @@ def _own_settings(model, cfg):
                                "nothing for ddpkit's runs; TrainConfig.checkpoint chooses what "
                                "they checkpoint"))
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) and (on or cfg.checkpoint is not None):
+    if getattr(config, "use_cache", False) and (on or cfg.checkpoint.value is not None):
         out.append(Finding(
             "hf_use_cache", "config.use_cache",
             "use_cache=True in the model's config with checkpointing on: ddpkit sets "
@@ -110,17 +110,17 @@ def _own_settings(model, cfg):
 def _doctor_config(cfg):
     """doctor on a config's model (built-in or yours), one micro-batch of its data, its loss.
     A user model is read before ddpkit prepares it (its own checkpointing, use_cache), then
-    prepared exactly as `ddpkit.engine.spec.build_model` does for the ranks."""
-    own = Findings()
+    prepared exactly as `ddpkit.spec.model.build_model` does for the ranks."""
+    own, plan = Findings(), cfg.rank_plan()
     if isinstance(cfg.model, str) and cfg.model in BUILTIN:
-        model = build_model(cfg)[0]
+        model = build_model(plan)[0]
     else:
         torch.manual_seed(cfg.seed)  # build_model's steps, with a look in between
         model = call_factory(cfg.model)
         own = _own_settings(model, cfg)
         prepare_for_training(model)
-    batch = first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch))
-    found = doctor(model, lambda m: compute_loss(m, batch, cfg.loss_fn),
+    batch = first_batch(plan, make_dataset(plan, n_samples=cfg.micro_batch))
+    found = doctor(model, lambda m: compute_loss(m, batch, plan.loss_fn),
                    checkpoint=cfg.checkpoint, blocks=cfg.blocks_path,
                    use_reentrant=cfg.use_reentrant, preserve_rng_state=cfg.preserve_rng_state,
                    ddp_kwargs=dict(find_unused_parameters=cfg.find_unused_parameters,
@@ -137,7 +137,7 @@ def doctor(model, example_input=None, *, checkpoint=None, use_reentrant=False,
     ``example_input``: a tensor, a tuple of positional arguments, or a whole call, a function
     ``run(model) -> loss`` (keyword arguments, a loss of your own); and, if the model does not
     checkpoint itself, ``checkpoint=``: an int / 'full' / one bool per block (over the repeated
-    blocks `ddpkit.engine.blocks.find_blocks` finds, or those at the dotted path ``blocks=``), a list of
+    blocks `ddpkit.spec.blocks.find_stacks` finds, or those at the dotted path ``blocks=``), a list of
     submodule names to checkpoint, or a callable ``(name, module) -> bool``.
     ``ddp_kwargs``: the keywords you will give DDP (``find_unused_parameters``, ``static_graph``).
     ``loss_fn(output)``: a scalar to backpropagate (default: the output if scalar, else its sum).

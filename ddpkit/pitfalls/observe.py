@@ -18,9 +18,10 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointError
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from ..engine import rng
-from ..engine.blocks import block_names, find_stacks, stack_sizes
-from ..engine.policies import CheckpointSetting, remove
+from ..engine.policies import CheckpointPolicy, remove
+from ..spec import rng
+from ..spec.blocks import block_names, find_stacks, stack_sizes
+from ..spec.setting import CheckpointSetting
 
 
 def where(names, limit=4):
@@ -57,7 +58,7 @@ class Watch:
 def install_checkpoint(model, setting, use_reentrant, preserve_rng_state, watch, blocks=None):
     """Install the requested checkpointing for the check. Returns (segments, undo), where a
     segment is (name, [modules]) and undo() puts the model back as it was."""
-    if setting is None:
+    if setting is None or (isinstance(setting, CheckpointSetting) and setting.value is None):
         return [], lambda: None
     if callable(setting):
         names = outermost([n for n, m in model.named_modules() if n and setting(n, m)])
@@ -89,11 +90,12 @@ def _install_setting(model, value, use_reentrant, preserve_rng_state, blocks):
                          f"submodule names, or a callable (name, module) -> bool") from None
     flat = [b for _, container in stacks for b in container]
     try:
-        setting = CheckpointSetting.of(value, len(flat), stack_sizes(stacks))
+        setting = CheckpointSetting.of(value, stack_sizes(stacks))
     except ValueError as exc:
         raise ValueError(f"doctor: {exc}; or, to doctor, a list of submodule names or a "
                          f"callable (name, module) -> bool") from None
-    setting.build(use_reentrant, preserve_rng_state).apply(model, [p for p, _ in stacks])
+    CheckpointPolicy(setting, use_reentrant, preserve_rng_state).apply(
+        model, [p for p, _ in stacks])
     names = block_names(stacks)
 
     def name(a, b):  # a region lies in one stack: 'transformer.h.3' or 'transformer.h[0:2]'

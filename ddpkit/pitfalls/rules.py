@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from . import fixes
+from .known import catalog
 from .observe import outermost, owner, where
 
 NO_GRAD_INPUT_WARNING = "None of the inputs have requires_grad=True"
@@ -39,8 +40,6 @@ def severity_of(name):
     any other name is refused (ValueError naming both lists)."""
     if name in NOTES:
         return "note"
-    from .known import catalog
-
     if name not in {p.name for p in catalog()}:
         raise ValueError(f"Finding {name!r}: not a pitfall of the catalogue "
                          f"(ddpkit.pitfalls.catalog()) nor one of the doctor's notes "

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.policies import CheckpointPolicy
 from ..errors import RankError, RankStalled
-from ..runtime.launch import launch
-from ..runtime.pool import Pool, launch_or_fresh, shared_pool
+from ..runtime.launch import check_pool, launch, resolve_pool
+from ..runtime.pool import Pool
+from ..spec.setting import CheckpointSetting
 from .known import get
 from .doctor import doctor
 from .ranks import (BNNet, BranchNet, CkptNet, DropNet, LayerDropNet, batch, build, gpt2_tokens,
@@ -95,10 +97,8 @@ class _Lab:
     def launch(self, fn, *args, fresh=False, stall_timeout_s=60.0):
         kw = dict(block=False, stall_timeout_s=stall_timeout_s,
                   on_output=lambda rank, line: self.output.append((rank, line)))
-        if self.pool is not None and not fresh:
-            handle = launch_or_fresh(self.pool, fn, *args, **kw)
-        else:
-            handle = launch(fn, *args, world_size=2, backend="gloo", device="cpu", **kw)
+        handle = launch(fn, *args, world_size=2, backend="gloo", device="cpu",
+                        pool="fresh" if fresh else self.pool, **kw)
         try:
             res = handle.wait()
         except (RankError, RankStalled) as exc:
@@ -258,10 +258,8 @@ def _lora_spec(fixed):
     """The LoRA GPT-2, its first block checkpointed as on the ranks (broken: reentrant)."""
     if _peft_missing():
         return None
-    from ..engine.policies import CheckpointSetting
-
     model = tiny_lora_gpt2().train()
-    CheckpointSetting.of(2, 2).build(use_reentrant=not fixed).apply(
+    CheckpointPolicy(CheckpointSetting.of(2, 2), use_reentrant=not fixed).apply(
         model, "base_model.model.transformer.h")
     ids = gpt2_tokens(0, 0)
     return model, lambda m: m(input_ids=ids, labels=ids).loss, {}
@@ -337,26 +335,20 @@ _SPECS = {
 }
 
 
-def run(name, fixed=False, pool=None):
+def run(name, fixed=False, pool="shared"):
     """Run pitfall ``name`` on 2 real gloo ranks: the broken setup, or ``fixed=True`` its fix.
 
-    ``pool``: the warm ranks for the setups that leave ranks healthy: None (the default) is the
-    kernel's shared pool of 2 gloo CPU ranks, a ``ddpkit.Pool(2, backend='gloo', device='cpu')``
-    is that pool, False launches fresh ranks for every setup; the setups that crash or stall
-    ranks get a fresh launch whatever is passed.
+    ``pool``: the warm ranks for the setups that leave ranks healthy: ``"shared"`` (the
+    default) is the kernel's shared pool of 2 gloo CPU ranks, a
+    ``ddpkit.Pool(2, backend='gloo', device='cpu')`` is that pool, ``"fresh"`` launches ranks
+    for every setup; the setups that crash or stall ranks get a fresh launch whatever is
+    passed.
     `ddpkit.doctor` checks the setup's model first (``findings``). Returns a `PitfallResult`.
     """
     get(name)
-    if pool is None:
-        pool = shared_pool(2, "gloo", "cpu")
-    elif pool is False:
-        pool = None
-    elif not isinstance(pool, Pool):
-        raise TypeError(f"pool={pool!r}: pass None (the shared warm pool), False (fresh ranks) "
-                        f"or ddpkit.Pool(2, backend='gloo', device='cpu')")
-    if pool is not None and (pool.world_size != 2 or pool.backend != "gloo" or pool.device != "cpu"):
-        raise ValueError(f"the pitfall lab runs on 2 CPU ranks with gloo; got {pool!r}. Pass "
-                         f"ddpkit.Pool(2, backend='gloo', device='cpu'), or pool=None")
+    pool = resolve_pool(pool)
+    if isinstance(pool, Pool):
+        check_pool(pool, 2, "gloo", "cpu", named="the pitfall lab (2 CPU ranks with gloo): ")
     runner, spec = _SPECS[name]
     findings = []
     if spec is not None:

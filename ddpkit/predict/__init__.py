@@ -8,7 +8,8 @@ activations per setting and block, FLOPs) · `simulate.py` (one rank's whole ste
 fake tensors: every live byte after every op) · `datadep.py` (what sizes a data-dependent op:
 the batch's values, the routing assumed, an upper bound) · `layouts.py`, `pieces.py`,
 `compose.py` (a large model's step composed from per-block pieces of the model cut to a few
-blocks) · `peak.py` (the step's peak, answered and memoised) · `fits.py` (`fits`,
+blocks) · `scale.py` (a large model's op stream, for the step time, from 3 and 4 blocks) ·
+`peak.py` (the step's peak, answered and memoised) · `fits.py` (`fits`,
 `largest_micro_batch`) · `estimate.py` (`estimate`: bytes per rank, by formula or trace) ·
 `zero.py` (the ZeRO paper's Table 1 and communication rule) · `plan.py` (`plan`: which blocks
 to checkpoint under a memory budget).

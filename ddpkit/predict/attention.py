@@ -279,6 +279,8 @@ class on_cuda(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.backward:
+            return _backward_within(self, *args, **kwargs)
         if func is not _SDPA:
             return func(*args, **kwargs)
         call = {**_DEFAULTS, **dict(zip(_NAMES, args)), **kwargs}
@@ -296,6 +298,22 @@ class on_cuda(TorchFunctionMode):
                 return func(*args, **kwargs)
         rest = {n: call[n] for n in _NAMES[3:]}
         return _StandIn.apply(q, k, v, kernel, rest)
+
+
+def _backward_within(mode, tensor, gradient=None, retain_graph=None, create_graph=False,
+                     inputs=None):
+    """``tensor.backward()`` with ``mode`` on. A mode is off while its handler runs, so a
+    backward run from the handler would recompute a checkpointed region with CPU attention,
+    which saves other tensors than its forward did (torch's checkpoint then refuses). So the
+    backward's engine is called here as ``torch.autograd.backward`` calls it
+    (``torch.autograd.graph._engine_run_backward``, private), with the mode pushed again."""
+    from torch.autograd.graph import _engine_run_backward
+
+    grad = torch.ones_like(tensor) if gradient is None else gradient
+    with mode:
+        _engine_run_backward((tensor,), (grad,), create_graph if retain_graph is None else
+                             retain_graph, create_graph, tuple(inputs or ()),
+                             allow_unreachable=True, accumulate_grad=True)
 
 
 def _autocast(t):
@@ -327,12 +345,19 @@ class _StandIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kernel, call):
+        # the range names the CUDA kernel for a step's op trace (`optrace.SDPA_RANGE`)
+        with torch.profiler.record_function(f"ddpkit.sdpa:{kernel}:forward"):
+            return _StandIn._forward(ctx, q, k, v, kernel, call)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, kernel, call):
         mask, E, Ev = call["attn_mask"], q.shape[-1], v.shape[-1]
         inputs = (q, k, v)
         if kernel == "flash" and E % 8:  # padded in attention.cpp, before the kernel
             inputs = tuple(F.pad(t, (0, _ceil(E, 8) - E)) for t in inputs)
         with torch.autocast(q.device.type, enabled=False):
-            value = _SDPA(q, k, v, **call)
+            with torch._C.DisableTorchFunction():  # torch's own SDPA, not this mode's again
+                value = _SDPA(q, k, v, **call)
         out = _out_like(kernel, inputs[0], inputs[2].shape[-1])
         out[..., :Ev].copy_(value)
         made = {"output": out, **{f"{n} (padded to {t.shape[-1]})": t
@@ -345,16 +370,20 @@ class _StandIn(torch.autograd.Function):
                                         kernel_saves(kernel, q, k, v, attn_mask=mask)):
             keep.append(mask)  # kept as the caller made it
         ctx.save_for_backward(*keep)
-        ctx.call, ctx.dims = call, (E, E, Ev)
+        ctx.call, ctx.dims, ctx.kernel = call, (E, E, Ev), kernel
         return out if out.shape[-1] == Ev else out[..., :Ev]
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v = (t[..., :n] for t, n in zip(ctx.saved_tensors[:3], ctx.dims))
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            value = _SDPA(*leaves, **ctx.call)
-        return (*torch.autograd.grad(value, leaves, grad), None, None)
+        # torch's CPU backward needs its own forward run again first; the CUDA kernel's
+        # backward does not (the range tells a step's op trace which op is the backward)
+        with torch.profiler.record_function(f"ddpkit.sdpa:{ctx.kernel}:backward"):
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                with torch._C.DisableTorchFunction():
+                    value = _SDPA(*leaves, **ctx.call)
+            return (*torch.autograd.grad(value, leaves, grad), None, None)
 
 
 def run_target(world_size, backend=None, device=None):

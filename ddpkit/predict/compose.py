@@ -29,13 +29,14 @@ runs; the step-time prediction composes per-block times the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 
-from ..engine.memory import KINDS, PHASES, Peak, phase_of
+from ..engine.memory import KINDS
 from ..engine.strategies import is_fsdp
 from .layouts import CUT, Layout, candidates, layout_text, micro_class, role, segment_like, states
-from .pieces import Piece, Recorder, summarize
+from .pieces import Piece, Recorder, Walk, chain, in_order, summarize
 
 _K = len(KINDS)
 
@@ -61,9 +62,11 @@ class Composition:
 class Library:
     """The pieces of one config's rank (all of it but the checkpoint setting)."""
 
-    def __init__(self, cfg, rank, simulate):
-        self.cfg, self.rank, self.simulate = cfg.replace(checkpoint=None), rank, simulate
-        self.stacks = list(cfg.stack_sizes) if cfg.stack_sizes else [cfg.n_blocks]
+    def __init__(self, cfg, rank, simulate, target=None):
+        """``simulate``: `simulate.simulate`, as a CUDA rank on ``target`` where one is given."""
+        self.cfg, self.rank, self.target = cfg.replace(checkpoint=None), rank, target
+        self.simulate = simulate if target is None else functools.partial(simulate, target=target)
+        self.stacks = list(cfg.checkpoint.stacks)
         self.fine = is_fsdp(cfg.strategy)  # regions' blocks told apart by length and neighbours
         self._covers, self._all = {}, None
         # ZeRO-1 updates a partition of the parameters that depends on all of them: its state
@@ -116,8 +119,7 @@ class Library:
     def _coverage(self, k, segments):
         hit = self._covers.get((k, segments))
         if hit is None:
-            cut = Layout(None, k * len(self.stacks), (k,) * len(self.stacks),
-                         layout=tuple(segments))
+            cut = Layout(None, (k,) * len(self.stacks), layout=tuple(segments))
             hit = self._covers[k, segments] = [
                 (s, r, x) for (s, r), x in zip(self._cut_blocks(k), states(cut, self.fine))]
         return hit
@@ -126,8 +128,7 @@ class Library:
         """Simulate the model cut to ``k`` blocks per stack with ``segments``; keep its pieces."""
         with self.lock:
             cut = [k] * len(self.stacks)
-            setting = Layout(None, sum(cut), tuple(cut) if len(cut) > 1 else (),
-                             layout=tuple(segments))
+            setting = Layout(None, tuple(cut), layout=tuple(segments))
             region = {j: (a, b - 1) for a, b in setting.regions for j in range(a, b)}
             rec = Recorder([(s * k, (s + 1) * k) for s in range(len(cut))], region)
             cfg = self.cfg.replace(accum_steps=min(self.cfg.accum_steps, 3))
@@ -174,7 +175,7 @@ class Library:
             k = len(where) // len(self.stacks)  # ZeRO-1's lines: the step's figures per cut
             self.per_cut.setdefault(k, {})[step] = (
                 [sum(v[i] for v in rec.bases[step].values()) for i in range(_K)],
-                _chain([p for _, p in optimizer]))
+                chain([p for _, p in optimizer]))
             base = rec.bases[step]
             self.bases[step] = {None if b is None else where[b]: v for b, v in base.items()}
         self.loads = {None if b is None else where[b]: v
@@ -269,13 +270,14 @@ class Library:
                 "blocks per stack"] if self.zero else [])
             loads = self._line(lambda figures: figures["loads"]) if self.zero else \
                 self._loads(where)
-        target = run_target(self.cfg)  # a CUDA rank: cuBLAS's workspaces, as `simulate` adds
+        # a CUDA rank: cuBLAS's workspaces, as `simulate` adds
+        target = self.target if self.target is not None else run_target(self.cfg)
         if target is not None:
             peaks = [_plus(p, cublas_workspaces(target)) for p in peaks]
         for p in peaks:
             p.assumed = self.assumed
-        return Simulation(self.rank, peaks, loads, how="composed", assumed=self.assumed,
-                          composition=comp)
+        return Simulation(self.rank, peaks, loads, how="composed", stream=None,
+                          assumed=self.assumed, composition=comp)
 
     def _line(self, figure):
         """``figure`` (a list of numbers) of the cut, carried along the line through the two
@@ -299,7 +301,7 @@ class Library:
         if self.zero:
             base = self._line(lambda figures: figures[step][0])
         self._regions = setting.regions
-        walk, frees = _Walk(base), self._frees(step, where, st)
+        walk, frees = Walk(base), self._frees(step, where, st)
         for phase, micro, tag in self._skeleton(step):
             mc = micro_class(micro, self.cfg.accum_steps) if phase != "optimizer" else 0
             if phase == "optimizer":
@@ -396,63 +398,17 @@ class Library:
             runs_of = {}
             for at2, piece2 in span:
                 runs_of.setdefault(at2, []).append(piece2)
-            for w in _in_order(where):
+            for w in in_order(where):
                 got = runs_of.get(w, [])
                 for n in range(count[w]):
                     if got:
                         walk.add(got[0] if n == 0 else got[-1], "optimizer")
 
 
-def _chain(pieces):
-    """One `Piece` of ``pieces`` run one after another."""
-    net, total, rise, at = [0] * _K, 0, None, [0] * _K
-    for p in pieces:
-        if rise is None or total + p.rise > rise:
-            rise, at = total + p.rise, [a + b for a, b in zip(net, p.at_rise)]
-        net = [a + b for a, b in zip(net, p.net)]
-        total += sum(p.net)
-    return Piece("optimizer", tuple(net), rise or 0, tuple(at), len(pieces))
-
-
-def _in_order(where):
-    seen, out = set(), []
-    for w in where:
-        if w not in seen:
-            seen.add(w)
-            out.append(w)
-    return out
-
-
-class _Walk:
-    """The running total over composed pieces: the step's peak, its phase and ledger."""
-
-    def __init__(self, base):
-        self.level = list(base)
-        self.base = sum(base)
-        self.total = self.base
-        self.best, self.by_phase = None, {}
-
-    def add(self, piece, phase):
-        if piece is None or not piece.events:
-            return
-        top = self.total + piece.rise
-        if phase in PHASES:
-            self.by_phase[phase] = max(self.by_phase.get(phase, top), top)
-            if self.best is None or top > self.best[0]:
-                self.best = (top, [a + b for a, b in zip(self.level, piece.at_rise)])
-        self.level = [a + b for a, b in zip(self.level, piece.net)]
-        self.total += sum(piece.net)
-
-    def peak(self):
-        by_phase = {p: self.by_phase[p] for p in PHASES if p in self.by_phase}
-        ledger = dict(zip(KINDS, self.best[1]))
-        return Peak(self.best[0], phase_of(by_phase), ledger, by_phase, base=self.base)
-
-
 def composable(cfg, above):
     """Is ``cfg``'s step composed (`Library`) rather than simulated whole: a model of more than
     ``above`` parameters, every stack longer than the largest cut, no DDP comm hook (whose
     buffers follow the buckets, not the blocks)?"""
-    stacks = cfg.stack_sizes or (cfg.n_blocks,)
+    stacks = cfg.checkpoint.stacks
     return cfg.info.n_params > above and min(stacks) > CUT + 4 and cfg.comm_hook is None
 

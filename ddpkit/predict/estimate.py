@@ -39,11 +39,12 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..config import TrainConfig
-from ..engine.policies import CheckpointSetting
+from ..spec.setting import CheckpointSetting
 from ..engine.strategies import mixed_dtype
 from . import attention
 from .fits import fits, largest_micro_batch
 from .peak import predicted_peak
+from .steptime import step_time
 from .trace import (as_real_for_transformers, as_setting, on_device,  # noqa: F401 (the API)
                     run_target, trace_activations, traced, traced_flops)
 from .units import human_bytes
@@ -91,6 +92,14 @@ class Estimate:
         step 1 frees as much as it allocates), None: the higher. ``rank``: None is the heaviest
         rank."""
         return predicted_peak(self.config, step, rank)
+
+    def step_time(self, device=None, link=None, rank=None):
+        """The predicted time of one optimizer step, a `steptime.StepTime` (``seconds``,
+        ``ledger`` by kind, ``comm_s``, ``overlap``, ``tokens_per_s``, ``mfu``, ``timeline``):
+        the rank's own step simulated on fake tensors, played on this machine's measured rates
+        (``device=None``; calibrated on first use, then cached) or on a named device's
+        roofline (``device="H100"``, with ``link`` the network between nodes)."""
+        return step_time(self.config, device=device, link=link, rank=rank)
 
     def fits(self, gpu):
         """`plan.Fit` (truthy if it fits) of the step's peak on a GPU name ('T4', 'A100-80GB',
@@ -198,7 +207,7 @@ def _by_formula(cfg):
     """Does the first-principles formula cover cfg? The built-in models, unless CUDA would run
     the GPT's attention on its math kernel, or FSDP's mixed precision computes in bf16/fp16
     (traced instead)."""
-    return cfg.builtin and mixed_dtype(cfg) is None and \
+    return cfg.builtin and mixed_dtype(cfg.rank_plan()) is None and \
         (cfg.model == "mlp" or _attention_bytes(cfg) is not None)
 
 

@@ -327,18 +327,22 @@ class Accumulations:
             live.totals[i] = total
 
 
-def watch_buckets(wrapped, cfg):
-    """Register the simulation's comm hook on DDP; return what it saw of the buckets."""
+def watch_buckets(wrapped, plan, handed=None):
+    """Register the simulation's comm hook on DDP (``plan``: the rank's `RankPlan`); return what
+    it saw of the buckets. ``handed(index, nbytes)``: told each time DDP hands a bucket over
+    (its all-reduce starts)."""
     seen = {}
     if not hasattr(wrapped, "register_comm_hook"):
         return seen
-    inner = _comm_hook(cfg.comm_hook)
+    inner = _comm_hook(plan.comm_hook)
 
     def hook(state, bucket):
         st = bucket.buffer().untyped_storage()
         seen[bucket.index()] = (st._cdata, st.nbytes())
+        if handed is not None:
+            handed(bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size())
         return inner(state, bucket)
-    wrapped.register_comm_hook(cfg.world_size, hook)
+    wrapped.register_comm_hook(plan.world_size, hook)
     wrapped.reducer = _FirstLayout(wrapped.reducer)
     return seen
 

@@ -29,10 +29,6 @@ class Fit:
     def __bool__(self):
         return self.predicted <= self.usable
 
-    @property
-    def headroom(self):
-        return self.usable - self.predicted
-
     def __repr__(self):
         verdict = "fits" if self else "does not fit"
         return (f"Fit({verdict} {self.where}: the step peaks at {fmt_bytes(self.predicted)} per "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..engine.policies import CheckpointSetting
+from ..spec.setting import CheckpointSetting
 
 CUT = 4
 """Blocks per stack the library's simulations keep: the first, the second, a middle, the last

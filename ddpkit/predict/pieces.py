@@ -23,7 +23,7 @@ import dataclasses
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..engine.memory import KINDS
+from ..engine.memory import KINDS, PHASES, Peak, phase_of
 
 _K = len(KINDS)
 _INDEX = {k: i for i, k in enumerate(KINDS)}
@@ -339,3 +339,49 @@ def event_kinds(ledger, events):
             kind = ledger.pre_kind.get(pre.get(i), "other")
         out.append(_INDEX[kind])
     return out
+
+
+def chain(pieces):
+    """One `Piece` of ``pieces`` run one after another."""
+    net, total, rise, at = [0] * _K, 0, None, [0] * _K
+    for p in pieces:
+        if rise is None or total + p.rise > rise:
+            rise, at = total + p.rise, [a + b for a, b in zip(net, p.at_rise)]
+        net = [a + b for a, b in zip(net, p.net)]
+        total += sum(p.net)
+    return Piece("optimizer", tuple(net), rise or 0, tuple(at), len(pieces))
+
+
+def in_order(where):
+    seen, out = set(), []
+    for w in where:
+        if w not in seen:
+            seen.add(w)
+            out.append(w)
+    return out
+
+
+class Walk:
+    """The running total over composed pieces: the step's peak, its phase and ledger."""
+
+    def __init__(self, base):
+        self.level = list(base)
+        self.base = sum(base)
+        self.total = self.base
+        self.best, self.by_phase = None, {}
+
+    def add(self, piece, phase):
+        if piece is None or not piece.events:
+            return
+        top = self.total + piece.rise
+        if phase in PHASES:
+            self.by_phase[phase] = max(self.by_phase.get(phase, top), top)
+            if self.best is None or top > self.best[0]:
+                self.best = (top, [a + b for a, b in zip(self.level, piece.at_rise)])
+        self.level = [a + b for a, b in zip(self.level, piece.net)]
+        self.total += sum(piece.net)
+
+    def peak(self):
+        by_phase = {p: self.by_phase[p] for p in PHASES if p in self.by_phase}
+        ledger = dict(zip(KINDS, self.best[1]))
+        return Peak(self.best[0], phase_of(by_phase), ledger, by_phase, base=self.base)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from ..config import TrainConfig
 from ..engine import strategies
 from ..engine.memory import TIE
-from ..engine.policies import CheckpointSetting
+from ..spec.setting import CheckpointSetting
 from .estimate import estimate, traced_flops
 from .gpus import budget_bytes
 from .peak import predicted_peak
@@ -73,8 +73,8 @@ class Choice:
 
     @property
     def checkpoint(self):
-        """The setting for TrainConfig.checkpoint (None when nothing is checkpointed)."""
-        return (self.setting or CheckpointSetting.from_mask(self.mask)).plain
+        """The plain value for TrainConfig.checkpoint (None when nothing is checkpointed)."""
+        return self.setting.plain
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Plan:
         """The frontier: each mask's activations, placed step peak and FLOP ratio."""
         import pandas as pd
 
-        return pd.DataFrame([dict(checkpointed=sum(c.mask), mask=str(CheckpointSetting.from_mask(c.mask)),
+        return pd.DataFrame([dict(checkpointed=sum(c.mask), mask=str(c.setting.with_value(c.mask)),
                                   activation_bytes=c.activations, peak_bytes=c.total,
                                   simulated=c.peak is not None, flops_ratio=round(c.flops_ratio, 4),
                                   chosen=self.choice is not None and c.mask == self.choice.mask)
@@ -135,21 +135,23 @@ class _Blocks:
     base_acts: int   # activations with no checkpointing
     base_flops: int  # FLOPs of the step with no checkpointing
     states: int      # params + grads + optimizer state per rank
+    none: object     # no checkpointing, on the model's stacks (each setting is made from it)
 
 
 def _figures(cfg):
     est = estimate(cfg.replace(checkpoint=None))
-    n = cfg.n_blocks
-    base_flops = traced_flops(cfg, CheckpointSetting(None, n))
+    n, none = cfg.n_blocks, cfg.checkpoint.with_value(None)
+    base_flops = traced_flops(cfg, none)
     recompute, by_signature = [], {}
     for i, b in enumerate(est.blocks):
         sig = (b.keeps, b.boundary, b.flops)  # identical blocks recompute identically
         if sig not in by_signature:
-            alone = CheckpointSetting.from_mask([j == i for j in range(n)])
+            alone = none.with_value([j == i for j in range(n)])
             by_signature[sig] = traced_flops(cfg, alone) - base_flops
         recompute.append(by_signature[sig])
     return _Blocks([b.keeps - b.boundary for b in est.blocks], [b.keeps for b in est.blocks],
-                   recompute, est.activations, base_flops, est.params + est.grads + est.optimizer)
+                   recompute, est.activations, base_flops, est.params + est.grads + est.optimizer,
+                   none)
 
 
 def _choice(fig, setting, flops=None):
@@ -177,9 +179,9 @@ def cost(cfg, setting=None):
     bytes after forward, the backward's activation peak (a checkpointed segment's recompute
     brings its whole inside back at once), model states, the step's FLOPs, counted, and its
     simulated step peak (``total``)."""
-    setting = cfg.checkpointing if setting is None else setting
+    setting = cfg.checkpoint if setting is None else setting
     choice = _choice(_figures(cfg), setting, traced_flops(cfg, setting))
-    choice.peak = predicted_peak(cfg.replace(checkpoint=setting.plain))
+    choice.peak = predicted_peak(cfg.replace(checkpoint=setting))
     return choice
 
 
@@ -188,7 +190,7 @@ def _place(choice, fig, unchecked):
     forward peaks with its saved activations (lower by what the mask saves), the backward
     with its activation peak (lower by as much), the optimizer step as it was."""
     by = unchecked.by_phase
-    none = _choice(fig, CheckpointSetting(None, len(fig.saves)))
+    none = _choice(fig, fig.none)
     choice.placed = max(by.get("forward", 0) - (none.activations - choice.activations),
                         by.get("backward", 0) - (none.peak_activations - choice.peak_activations),
                         by.get("optimizer", 0))
@@ -242,7 +244,8 @@ def plan(cfg, memory_budget):
     budget = budget_bytes(memory_budget)
     fig = _figures(cfg)
     unchecked = predicted_peak(cfg.replace(checkpoint=None))
-    front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m)), fig, unchecked)
+    front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m, fig.none.stacks)), fig,
+                            unchecked)
                      for m in _masks(fig))
     # every block checkpointed keeps the fewest activations: what checkpointing can reach
     lowest = unchecked if not front[1:] else predicted_peak(cfg.replace(checkpoint="full"))

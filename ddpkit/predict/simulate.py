@@ -42,13 +42,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..devices import resolve_devices
-from ..engine import empty, memory, rng, strategies
+from ..engine import memory, strategies
 from ..engine.memory import optimizer_tensors, storages
+from ..engine.policies import install
 from ..engine.probes import ActivationProbe
-from ..engine.blocks import resolve_blocks
-from ..engine.policies import CheckpointSetting
-from ..engine.spec import describe_spec, fake_model
 from ..engine.step import train_step, zero_grad
+from ..spec import empty, rng
+from ..spec.blocks import resolve_blocks
+from ..spec.model import describe_spec, fake_model
+from ..spec.setting import CheckpointSetting
+from . import cudastreams
+from .optrace import OpTrace
 from .datadep import DataDependence
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
 from .fakeworld import (Accumulations, fake_world, gloo_buffers, late_note, mark_fsdp_collectives,
@@ -158,6 +162,10 @@ class Simulation:
     how: str = "simulated"
     """'simulated' (the whole model) or 'composed' (`compose.py`: from per-block pieces of the
     model cut to a few blocks; ``composition`` says which were simulated and how each carried)."""
+    stream: list = dataclasses.field(default_factory=list, repr=False)
+    """The last step's ops and marks, in the order they ran (`optrace.OpTrace`): what the
+    step-time prediction times. None for a composed step (composed bytes, not ops:
+    `peak.streamed` gives a large model's stream)."""
     assumed: tuple = ()
     """What sized each data-dependent op of the step (`datadep`: the batch's values, the
     routing assumption, an upper bound), one line each; empty when there was none."""
@@ -165,14 +173,16 @@ class Simulation:
     """How a composed step was made (`compose.Composition`); None when simulated whole."""
 
 
-def simulate(cfg, rank=0, steps=2, keep=None, setting=None, recorder=None):
+def simulate(cfg, rank=0, steps=2, keep=None, target=None, setting=None, recorder=None):
     """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
-    `Simulation`. For `compose.py`: ``keep``, only the first ``keep`` blocks of each stack (an
-    int, or one per stack); ``setting``, a `CheckpointSetting` of those blocks to run instead of
-    the config's; ``recorder``, a `pieces.Recorder` that marks the blocks and keeps each step's
-    pieces."""
+    `Simulation`. ``target``: an `attention.CudaTarget` to simulate the rank as a CUDA rank on
+    that GPU (a named device's, `hardware.target`) whatever this machine has; None: the
+    config's own device (a CUDA rank where the config runs on CUDA here). For `compose.py` and
+    `scale.py`: ``keep``, only the first ``keep`` blocks of each stack (an int, or one per
+    stack); ``setting``, a `CheckpointSetting` of those blocks to run instead of the config's;
+    ``recorder``, a `pieces.Recorder` that marks the blocks and keeps each step's pieces."""
     with _new_objects_only() as thaw:
-        return _simulate(cfg, rank, steps, keep, thaw, setting, recorder)
+        return _simulate(cfg, rank, steps, keep, thaw, target, setting, recorder)
 
 
 _FREEZE_LOCK = threading.Lock()
@@ -208,13 +218,15 @@ def _new_objects_only():
         _FREEZE_LOCK.release()
 
 
-def _simulate(cfg, rank, steps, keep, thaw, setting=None, recorder=None):
+def _simulate(cfg, rank, steps, keep, thaw, target=None, setting=None, recorder=None):
     backend, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
-    cuda = device == "cuda"
-    target = run_target(cfg) if cuda else None
+    if target is None:
+        target = run_target(cfg) if device == "cuda" else None
+    cuda = target is not None
+    plan = cfg.rank_plan()  # what the rank's code reads
     # the rank's wrapping, less what a fake group cannot run (the module's notes)
-    wrap_cfg = cfg.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
-                           device="cpu", backend="gloo", precision="fp32")
+    wrap_plan = plan.replace(comm_hook=None, find_unused_parameters=False, static_graph=False,
+                             precision="fp32")
     real_batch = example_batch(cfg)
     ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
     live, largest = LiveStorages(CUDA_BLOCK if cuda else 1), []
@@ -223,13 +235,13 @@ def _simulate(cfg, rank, steps, keep, thaw, setting=None, recorder=None):
     template = tree_map(lambda t: datadep.fake(mode, t) if isinstance(t, torch.Tensor) else t,
                         real_batch)
     with rng.forked():
-        model, how = fake_model(cfg, mode, keep)  # no initialisation: `ddpkit.engine.empty`
+        model, how = fake_model(plan, mode, keep)  # no initialisation: `ddpkit.spec.empty`
     stage = functools.partial(empty.stage, who="ddpkit.estimate(cfg).peak()",
                               model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
-    blocks = resolve_blocks(model, cfg.blocks_path)
-    if setting is None:
-        setting = cfg.checkpointing if keep is None else \
-            CheckpointSetting.of(cfg.checkpoint, len(blocks))
+    blocks = resolve_blocks(model, plan.blocks)
+    if setting is None:  # a model cut to its first blocks: the config's value on those
+        setting = plan.checkpoint if keep is None else CheckpointSetting.of(
+            plan.checkpoint.value, tuple(keep) if isinstance(keep, tuple) else len(blocks))
     with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, datadep, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
             skip_dtensor_meta(live), gloo_buffers(backend == "gloo" and not cuda, largest), \
@@ -238,42 +250,69 @@ def _simulate(cfg, rank, steps, keep, thaw, setting=None, recorder=None):
         # the originals once sharded, and so must the simulation)
         live.adopt([*model.parameters(), *model.buffers()])
         with stage("installing the checkpoint policy"):
-            cfg.checkpoint_policy(setting).apply(model, cfg.blocks_path)
+            policy = install(plan, model, setting)
         with unset_fake_temporarily():  # a device mesh's rank table is real data
-            mesh_ready = _premade_mesh(wrap_cfg, ctx)
-        wrapped, optimizer, _ = strategies.wrap(wrap_cfg, model, ctx, count_comm=False,
-                                                mesh=mesh_ready, precision=cfg.precision)
-        buckets = watch_buckets(wrapped, cfg)
+            mesh_ready = _premade_mesh(wrap_plan, ctx)
+        wrapped, optimizer, _ = strategies.wrap(wrap_plan, model, ctx, count_comm=False,
+                                                mesh=mesh_ready, precision=plan.precision)
+        trace = OpTrace(live)
+        buckets = watch_buckets(wrapped, plan, trace.bucket)
         gc.collect()  # fake tensors sit in reference cycles: what a rank frees at once, now
         thaw()
         if cuda:  # torch's default on CUDA: the foreach implementation
             for group in optimizer.param_groups:
                 if "foreach" in group:
                     group["foreach"] = True
-        peaks = []
-        hooks = recorder.install(live, blocks) if recorder else []
-        if recorder:
-            recorder.owners(model, blocks, optimizer)
-        for step in range(steps):
-            # collated inside the step, as `RankBatches.micro_batches` (a generator) does
-            batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
-                                template) for _ in range(cfg.accum_steps))
-            if recorder:
-                recorder.begin()
-            with on_device(target), stage("the step"):
-                peak = _one_step(cfg, step, live, model, wrapped, optimizer, batches,
-                                 buckets, as_real_for_transformers(real_batch), recorder)
-            extra = cublas_workspaces(target) if target is not None else 0
-            peaks.append(_plus(peak, extra))
-            zero_grad(optimizer)
-        for h in hooks:
-            h.remove()
+        rank_parts = (model, wrapped, optimizer, policy)
+        peaks = _steps(plan, steps, live, rank_parts, (template, real_batch, buckets),
+                       (trace, recorder, blocks), (stage, target))
         live.observer = None
         loads = _loads(optimizer, model, cfg.world_size)
     assumed = tuple(datadep.lines()) + ((late_note(largest[0]),) if largest else ())
     for p in peaks:
         p.assumed = assumed
-    return Simulation(rank, peaks, loads, assumed=assumed)
+    return Simulation(rank, peaks, loads, stream=trace.stream, assumed=assumed)
+
+
+def _steps(plan, steps, live, rank_parts, data, watchers, where):
+    """The simulated steps' `Peak` s: ``rank_parts`` (model, wrapped, optimizer, policy) run on
+    ``data`` (the fake template batch, the real one, DDP's buckets seen), ``watchers`` (the
+    `OpTrace`, a `pieces.Recorder` or None, the blocks), ``where`` (the error stage, a CUDA
+    target or None)."""
+    model, wrapped, optimizer, _ = rank_parts
+    template, real_batch, buckets = data
+    trace, recorder, blocks = watchers
+    stage, target = where
+    peaks = []
+    hooks = trace.watch(blocks, model, grads=hasattr(wrapped, "register_comm_hook"))
+    if recorder:
+        hooks += recorder.install(live, blocks)
+        recorder.owners(model, blocks, optimizer)
+    streams = cudastreams.recorded(trace) if target is not None else contextlib.nullcontext()
+    try:
+        for step in _within(streams, range(steps)):
+            trace.reset()
+            # collated inside the step, as `RankBatches.micro_batches` (a generator) does
+            batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                                template) for _ in range(plan.accum_steps))
+            if recorder:
+                recorder.begin()
+            with on_device(target), stage("the step"):
+                peak = _one_step(plan, step, live, rank_parts, batches, buckets,
+                                 as_real_for_transformers(real_batch), (trace, recorder))
+            extra = cublas_workspaces(target) if target is not None else 0
+            peaks.append(_plus(peak, extra))
+            zero_grad(optimizer)
+    finally:
+        for h in hooks:
+            h.remove()
+    return peaks
+
+
+def _within(context, items):
+    """``items``, iterated inside ``context`` (FSDP2's CUDA streams, recorded)."""
+    with context:
+        yield from items
 
 
 def _loads(optimizer, model, world_size):
@@ -321,12 +360,17 @@ def _plus(peak, extra):
                        {p: b + extra for p, b in peak.by_phase.items()})
 
 
-def _premade_mesh(cfg, ctx):
-    return strategies.fsdp_mesh(ctx.device.type, cfg) if strategies.is_fsdp(cfg.strategy) else None
+def _premade_mesh(plan, ctx):
+    return strategies.fsdp_mesh(ctx.device.type, plan) if strategies.is_fsdp(plan.strategy) \
+        else None
 
 
-def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real_transformers,
-              recorder=None):
+def _one_step(plan, step, live, rank, batches, buckets, real_transformers, watchers):
+    """One simulated step. ``rank``: (model, wrapped, optimizer, checkpoint policy);
+    ``watchers``: the `optrace.OpTrace` that records its ops, and a `pieces.Recorder` (or
+    None) that keeps its pieces."""
+    model, wrapped, optimizer, policy = rank
+    trace, recorder = watchers
     start = len(live.events)
     census = {"parameters": storages(model.parameters(), by="impl"),
               "gradients": storages((p.grad for p in model.parameters()), by="impl"),
@@ -334,12 +378,12 @@ def _one_step(cfg, step, live, model, wrapped, optimizer, batches, buckets, real
     base = live.total
     live.forward_ends, live.points = [], []
     acts = ActivationProbe()
-    acts.new_step()
-    with real_transformers:
-        train_step(wrapped, optimizer, batches, accum_steps=cfg.accum_steps,
-                   no_sync=cfg.no_sync and not (cfg.static_graph and step == 0),
-                   precision=strategies.autocast_precision(cfg), device="cpu",
-                   activation_probe=acts, inner=model, loss_fn=cfg.loss_fn, phase=live.mark,
+    acts.new_step(policy)
+    with real_transformers, trace:
+        train_step(wrapped, optimizer, batches, accum_steps=plan.accum_steps,
+                   no_sync=plan.no_sync and not (plan.static_graph and step == 0),
+                   precision=strategies.autocast_precision(plan), device="cpu",
+                   activation_probe=acts, inner=model, loss_fn=plan.loss_fn, phase=trace.phase,
                    read_loss=False)
     live.accumulations.settle()
     end = len(live.events) - start

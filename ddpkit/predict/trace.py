@@ -1,7 +1,7 @@
 """One micro-batch of your model, traced under ``FakeTensorMode``: what its forward saves for
 backward (per setting and per block) and what its forward and backward cost in FLOPs.
 
-The model is built without memory or initialisation (`spec.fake_model`), the checkpoint policy
+The model is built without memory or initialisation (`spec.model.fake_model`), the checkpoint policy
 installed exactly as the ranks install it, and the forward run with the same `ActivationProbe`
 the ranks measure with (each storage once, parameters left out): what autograd saves is the
 same set of tensors with or without real data, so the prediction equals the measurement. Per
@@ -31,14 +31,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
-from ..engine import rng, strategies
-from ..engine.blocks import block_names, find_stacks
+from ..engine import strategies
 from ..engine.data import first_batch, make_dataset
-from ..engine.empty import stage
-from ..engine.policies import CheckpointSetting
+from ..engine.policies import install
 from ..engine.probes import ActivationProbe, storage
-from ..engine.spec import compute_loss, describe_spec, fake_model
 from ..engine.step import autocast_for
+from ..spec import rng
+from ..spec.blocks import block_names, find_stacks, stack_sizes
+from ..spec.empty import stage
+from ..spec.model import compute_loss, describe_spec, fake_model
+from ..spec.setting import CheckpointSetting
 from . import attention
 from .datadep import DataDependence
 
@@ -55,14 +57,15 @@ class Traced:
 
     def __init__(self, cfg, keep=None):
         self.cfg, self.keep, self.n = cfg, keep, cfg.n_blocks
+        self.plan = plan = cfg.rank_plan()  # what the rank's code reads
         self.target = run_target(cfg)  # a CUDA run: attention keeps what its CUDA kernel keeps
         self.mode = FakeTensorMode()
         self.lock, self.memo = threading.RLock(), {}
         real_batch = example_batch(cfg)
         # FSDP's mixed precision computes with bf16 parameters and casts float inputs to bf16
-        dtype = strategies.mixed_dtype(cfg)
+        dtype = strategies.mixed_dtype(plan)
         with rng.forked():
-            self.model, self.how = fake_model(cfg, self.mode, keep, dtype)
+            self.model, self.how = fake_model(plan, self.mode, keep, dtype)
         cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
         # data-dependent ops (a loss's label checks, MoE routing): sized from the batch's
         # values, the routing assumption or an upper bound, each noted (`datadep`)
@@ -70,8 +73,9 @@ class Traced:
         self.batch = torch.utils._pytree.tree_map(
             lambda t: self.datadep.fake(self.mode, cast(t)) if isinstance(t, torch.Tensor) else t,
             real_batch)
-        stacks = find_stacks(self.model, cfg.blocks_path)
+        stacks = find_stacks(self.model, plan.blocks)
         self.blocks = [b for _, container in stacks for b in container]
+        self.none = CheckpointSetting(None, stack_sizes(stacks))  # on the traced stacks
         # a cut model (one stack) is named as the whole one
         self.block_names = block_names([(p, self.n) for p, _ in stacks] if keep else stacks)
         self._per_block()
@@ -87,10 +91,6 @@ class Traced:
     def scaled(self):
         return self.keep is not None
 
-    def _setting(self, setting):
-        """``setting`` as the traced model takes it (only a trace of the whole model)."""
-        return CheckpointSetting.of(setting.value, len(self.blocks))
-
     def forward_bytes(self, setting, probe=None):
         """Activation bytes one forward saves under ``setting`` (a `CheckpointSetting`,
         memoised per setting)."""
@@ -104,14 +104,14 @@ class Traced:
         # one FakeTensorMode is not for two threads at once (the lab's plots and sliders)
         with self.lock:
             with self.stage("installing the checkpoint policy"):
-                self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
+                probe.policy = install(self.plan, self.model, setting)
             with self.stage("the forward"), self.mode, self.datadep, \
                     as_real_for_transformers(self.batch), probe.forward(self.model), \
-                    autocast_for(strategies.autocast_precision(self.cfg), "cpu"), \
+                    autocast_for(strategies.autocast_precision(self.plan), "cpu"), \
                     on_device(self.target):
                 # held until the window closes, as a rank holds it for its backward: what
                 # the loss itself saved is an activation too
-                loss = compute_loss(self.model, self.batch, self.cfg.loss_fn)
+                loss = compute_loss(self.model, self.batch, self.plan.loss_fn)
             del loss
         self.memo[key] = probe.bytes
         return probe.bytes
@@ -133,11 +133,11 @@ class Traced:
         """(total FLOPs, {module name: FLOPs}) of forward and backward, counted."""
         with self.lock:
             with self.stage("installing the checkpoint policy"):
-                self.cfg.checkpoint_policy(setting).apply(self.model, self.cfg.blocks_path)
+                install(self.plan, self.model, setting)
             with self.stage("the step"), self.mode, self.datadep, \
                     as_real_for_transformers(self.batch), \
                     FlopCounterMode(display=False, custom_mapping=MORE_FLOPS) as counter:
-                compute_loss(self.model, self.batch, self.cfg.loss_fn).backward()
+                compute_loss(self.model, self.batch, self.plan.loss_fn).backward()
         return counter.get_total_flops(), {k: sum(v.values()) for k, v in
                                            counter.get_flop_counts().items()}
 
@@ -155,7 +155,7 @@ class Traced:
         counter = BlockFlops(probe)
         try:
             with counter:
-                self.forward_bytes(CheckpointSetting(None, len(self.blocks)), probe)
+                self.forward_bytes(self.none, probe)
         finally:
             for h in hooks:
                 h.remove()
@@ -178,20 +178,20 @@ class Traced:
         self.param_bytes += (n - k) * block_params[1]
         self.trainable_bytes += (n - k) * sum(p.numel() * p.element_size()
                                               for p in self.blocks[1].parameters() if p.requires_grad)
-        total, per_module = self._counted_flops(CheckpointSetting(None, k))
+        total, per_module = self._counted_flops(self.none)
         root, middle = type(self.model).__name__, self.block_names[1]
         self.plain_flops = total + (n - k) * per_module[f"{root}.{middle}"]
         self.alone = []  # recompute of traced block j checkpointed on its own
         for j in range(k):
             mask = [i == j for i in range(k)]
-            self.alone.append(self._counted_flops(CheckpointSetting(mask, k))[0] - total)
+            self.alone.append(self._counted_flops(self.none.with_value(mask))[0] - total)
         # tensors every block uses are counted once, on the first block that saves them (the
         # first plain block, or the regions: Llama's rotary cos/sin, its position ids). The
         # sums above give them to block 0 when it runs plain; what they miss, two traces say:
         # ``regions`` (what only regions hold) with block 0 plain, ``first`` (what block 0
         # plain held) with block 0 checkpointed too
-        tail = CheckpointSetting([False] + [True] * (k - 1), k)
-        full = CheckpointSetting("full", k)
+        tail = self.none.with_value([False] + [True] * (k - 1))
+        full = self.none.with_value("full")
         self.regions_hold = self.forward_bytes(tail, ActivationProbe()) - self._carried_bytes(tail, k)
         self.first_holds = (self.forward_bytes(full, ActivationProbe()) - self._carried_bytes(full, k)
                             - self.regions_hold)
@@ -308,7 +308,7 @@ def _trace_key(cfg):
     keep = ("model", "data", "loss", "blocks", "n_blocks", "width", "mlp_ratio", "seq_len", "vocab",
             "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant", "routing")
     return tuple((k, d[k] if isinstance(d[k], (str, int, float, type(None))) else id(d[k]))
-                 for k in keep) + (run_target(cfg), str(strategies.mixed_dtype(cfg)))
+                 for k in keep) + (run_target(cfg), str(strategies.mixed_dtype(cfg.rank_plan())))
 
 
 _BATCHES = {}
@@ -322,7 +322,8 @@ def example_batch(cfg):
     with _BATCHES_LOCK:
         hit = _BATCHES.get(key)
     if hit is None or hit[0].model is not cfg.model or hit[0].data is not cfg.data:
-        hit = (cfg, first_batch(cfg, make_dataset(cfg, n_samples=cfg.micro_batch)))
+        plan = cfg.rank_plan()
+        hit = (cfg, first_batch(plan, make_dataset(plan, n_samples=cfg.micro_batch)))
         with _BATCHES_LOCK:
             if len(_BATCHES) > 16:
                 _BATCHES.clear()
@@ -350,11 +351,11 @@ def traced(cfg, keep="auto"):
 def as_setting(cfg, setting):
     """``setting`` as given (a `CheckpointSetting`), or the config's own when None."""
     if setting is None:
-        return cfg.checkpointing
+        return cfg.checkpoint
     if not isinstance(setting, CheckpointSetting):
-        raise TypeError(f"pass a CheckpointSetting (CheckpointSetting.of({setting!r}, "
-                        f"{cfg.n_blocks})), or nothing for the config's own setting; "
-                        f"cfg.setting({setting!r}) makes one on this config's stacks")
+        raise TypeError(f"pass a CheckpointSetting, or nothing for the config's own setting; "
+                        f"cfg.checkpoint.with_value({setting!r}) makes one on this config's "
+                        f"stacks")
     return setting
 
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.blocks import resolve_blocks
-from ..engine.spec import build_model
+from ..spec.blocks import resolve_blocks
+from ..spec.model import build_model
 
 PAPER = {"psi": 7.5e9, "n": 64, "k": 12,  # Table 1's example row, GB per device
          "ddp": 120, "ddp_zero1": 31.4, "zero2": 16.6, "fsdp": 1.88}
@@ -43,7 +43,7 @@ def param_counts(cfg):
     """(parameters in the blocks, parameters outside them: the root's), from one build on the
     meta device."""
     with torch.device("meta"):
-        model = build_model(cfg)[0]
+        model = build_model(cfg.rank_plan())[0]
     blocks = {id(p) for b in resolve_blocks(model, cfg.blocks_path) for p in b.parameters()}
     inside = sum(p.numel() for p in model.parameters() if id(p) in blocks and p.requires_grad)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)

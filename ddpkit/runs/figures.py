@@ -19,15 +19,22 @@ def lanes_height(world_size):
     return 150 + 95 * world_size
 
 
-def _lanes(world_size):
-    ticks = [(-3 * r, f"rank {r} compute") for r in range(world_size)]
-    ticks += [(-3 * r - 1, f"rank {r} all-reduce") for r in range(world_size)]
+def _lanes(world_size, ranks=None):
+    ticks = []
+    for r in range(world_size) if ranks is None else ranks:
+        ticks += [(-3 * r, f"rank {r} compute"), (-3 * r - 1, f"rank {r} all-reduce")]
     return sorted(ticks)
 
 
-def swimlane_traces(timeline, step=None):
+PREDICTED = dict(shape="/", fgcolor="white", fgopacity=0.7, size=6)
+"""The predicted bars' hatching (`predicted_swimlane_figure`): set apart from measured ones."""
+
+
+def swimlane_traces(timeline, step=None, predicted=False):
     """Bar traces (one per kind) of one step (the last probed one by default): per rank a
-    compute track and an all-reduce track, times in ms from the step's earliest row."""
+    compute track and an all-reduce track, times in ms from the step's earliest row.
+    ``predicted``: a predicted step's rows, its bars hatched and out of the legend (each in its
+    kind's legend group, so a click on the kind hides both)."""
     import plotly.graph_objects as go
 
     if timeline.empty:
@@ -35,7 +42,7 @@ def swimlane_traces(timeline, step=None):
     step = timeline.step.max() if step is None else step
     g = timeline[timeline.step == step]
     t0 = g.start_s.min()
-    traces = []
+    traces, who = [], "predicted " if predicted else ""
     for kind in ("forward", "backward", "recompute", "optimizer", "allreduce"):
         k = g[g.kind == kind]
         if kind == "allreduce":  # buckets may run at once (gloo has 2 threads): stagger them
@@ -45,16 +52,19 @@ def swimlane_traces(timeline, step=None):
             y = [-3 * r for r in k["rank"]]
             width = 0.5 if kind == "recompute" else 0.8
             text = [n.replace("block ", "b") for n in k["name"]]
-        hover = [f"rank {r} micro-step {m}: {kind} {n}<br>{1e3 * (e - s):.2f} ms"
+        hover = [f"{who}rank {r} micro-step {m}: {kind} {n}<br>{1e3 * (e - s):.2f} ms"
                  + (f", {b / 2**20:.2f} MiB" if b else "")
                  for r, m, n, s, e, b in zip(k["rank"], k.micro_step, k["name"], k.start_s,
                                              k.end_s, k["bytes"])]
-        traces.append(go.Bar(name="all-reduce" if kind == "allreduce" else kind, orientation="h", y=y, base=1e3 * (k.start_s - t0),
+        name = "all-reduce" if kind == "allreduce" else kind
+        traces.append(go.Bar(name=name, orientation="h", y=y, base=1e3 * (k.start_s - t0),
                              x=1e3 * (k.end_s - k.start_s), width=width, text=text,
                              textposition="inside", insidetextanchor="middle", textangle=0,
                              marker=dict(color=KIND_COLORS[kind],
-                                         line=dict(width=0.5, color="white")),
-                             hovertext=hover, hoverinfo="text"))
+                                         line=dict(width=0.5, color="white"),
+                                         pattern=PREDICTED if predicted else None),
+                             opacity=0.8 if predicted else None, legendgroup=name,
+                             showlegend=not predicted, hovertext=hover, hoverinfo="text"))
     return traces, int(step)
 
 
@@ -88,6 +98,43 @@ def swimlane_figure(timeline, step=None, link=None):
     traces, step = swimlane_traces(timeline, step)
     world = int(timeline["rank"].max()) + 1 if not timeline.empty else 1
     return go.Figure(traces, layout=swimlane_layout(world, step, link))
+
+
+def predicted_swimlane_figure(timeline, predicted, step=None, link=None):
+    """One probed step measured (above: every rank's lanes) and the step predicted for the
+    same config (below, hatched: the heaviest rank's lanes, ``estimate(cfg).step_time()``), on
+    one time axis in ms from each step's first event. ``predicted``: a `StepTime`."""
+    from plotly.subplots import make_subplots
+
+    measured, step = swimlane_traces(timeline, step)
+    guess_tl = predicted.timeline
+    guess, _ = swimlane_traces(guess_tl, predicted=True)
+    world = int(timeline["rank"].max()) + 1 if not timeline.empty else 1
+    ranks = sorted({int(r) for r in guess_tl["rank"]}) or [0]
+    lanes = world + len(ranks)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        row_heights=[world / lanes, len(ranks) / lanes])
+    for row, traces in ((1, measured), (2, guess)):
+        for t in traces:
+            fig.add_trace(t, row=row, col=1)
+    layout = swimlane_layout(world, step, link, height=lanes_height(lanes) + 30)
+    fig.update_layout({k: v for k, v in layout.items() if k not in ("xaxis", "yaxis")})
+    guessed = f"predicted {1e3 * predicted.seconds:.1f} ms (below, hatched)"
+    if step is None:  # no probed step: the prediction alone
+        title = f"no step measured (TrainConfig.timeline_every picks them); {guessed}"
+    else:
+        g = timeline[timeline.step == step]
+        title = f"step {step}: measured {1e3 * (g.end_s.max() - g.start_s.min()):.1f} ms " \
+                f"(above), {guessed}"
+    fig.update_layout(title_text=titled(title, link))
+    for row, lanes, rng, what in ((1, _lanes(world), [-3 * world + 1.4, 0.6], "measured"),
+                                  (2, _lanes(0, ranks), [-3 * ranks[-1] - 1.6, -3 * ranks[0] + 0.6],
+                                   "predicted")):
+        fig.update_yaxes(tickvals=[t for t, _ in lanes], ticktext=[n for _, n in lanes],
+                         range=rng, automargin=True, title=dict(text=what, standoff=6),
+                         row=row, col=1)
+    fig.update_xaxes(title=dict(text="ms since the step's first event", standoff=4), row=2, col=1)
+    return fig
 
 
 def exposed_figure(over, link=None):

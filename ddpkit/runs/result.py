@@ -7,7 +7,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..config import TrainConfig
-from .figures import swimlane_figure
+from ..predict.estimate import estimate
+from .figures import predicted_swimlane_figure, swimlane_figure
 from .timeline import ddp_frame, link_label, overlap, timeline_frame
 
 
@@ -21,13 +22,26 @@ class TrainResult:
     run: object = field(repr=False, default=None)
     findings: list = field(default_factory=list)
     """What `ddpkit.doctor` found in this config before launch (empty for a clean one)."""
+    prediction: object = field(default=None, repr=False)
+    """The step time and peak predicted beside the run (`predicted.Prediction`), or None where
+    none was (``train(predict=...)``)."""
 
     def per_rank(self, key, rank=0):
         return [m[key] for m in self.metrics if m["rank"] == rank]
 
     def summary(self):
-        """Medians over steps (after the first, which pays one-off costs) of rank 0."""
-        return summarize(self.metrics)
+        """Medians over steps (after the first, which pays one-off costs) of rank 0; where the
+        run was predicted, ``predicted_step_s`` beside ``step_time_s`` and
+        ``predicted_peak_bytes`` beside ``peak_bytes`` (or ``prediction_note``: why not)."""
+        p = self.prediction
+        if p is not None:
+            p.fill()  # a prediction that came after the run: its records too
+        out = summarize(self.metrics)
+        if p is not None and p.step_time is not None:
+            out.update(predicted_step_s=p.seconds, predicted_peak_bytes=p.peak_bytes)
+        elif p is not None:
+            out["prediction_note"] = p.note()
+        return out
 
     # --- [timeline] what DDP did in each probed step (`timeline.py`)
     @property
@@ -43,11 +57,23 @@ class TrainResult:
         (all-reduce time with no compute under it) and ``overlap`` (hidden fraction, 0..1)."""
         return overlap(self.timeline)
 
-    def swimlanes(self, step=None):
+    def swimlanes(self, step=None, predicted=False):
         """A plotly figure of one probed step (the last by default): one lane per rank with
         forward, backward per block, recompute and the optimizer, and each bucket's
-        all-reduce; a simulated link is named in its title."""
-        return swimlane_figure(self.timeline, step, link_label(self.config))
+        all-reduce; a simulated link is named in its title. ``predicted=True``: the predicted
+        step (``estimate(cfg).step_time().timeline``, the heaviest rank's) below it, hatched,
+        on the same time axis (the run's own prediction where it made one; else predicted now,
+        calibrating this machine first where it has no calibration)."""
+        if not predicted:
+            return swimlane_figure(self.timeline, step, link_label(self.config))
+        p = self.prediction
+        if p is not None and p.step_time is None and p.error is None:
+            p.wait()
+        if p is not None and p.step_time is not None:
+            st = p.step_time
+        else:
+            st = estimate(self.config).step_time()
+        return predicted_swimlane_figure(self.timeline, st, step, link_label(self.config))
 
     @property
     def ddp_stats(self):
@@ -57,8 +83,11 @@ class TrainResult:
 
     def __repr__(self):
         s = self.summary()
+        predicted = (f", predicted_step_s={s['predicted_step_s']:.4f}"
+                     if "predicted_step_s" in s else "")
         return (f"TrainResult(steps={self.config.steps}, world_size={self.config.world_size}, "
-                f"final_loss={s['final_loss']:.4f}, step_time_s={s['step_time_s']:.4f})")
+                f"final_loss={s['final_loss']:.4f}, step_time_s={s['step_time_s']:.4f}"
+                f"{predicted})")
 
 
 def summarize(metrics):
@@ -72,6 +101,9 @@ def summarize(metrics):
                                           if m["step"] == m0[-1]["step"]),
            "step_time_s": statistics.median(m["step_time_s"] for m in steady),
            "step_time_iqr_s": _iqr([m["step_time_s"] for m in steady])}
+    stamped = [m["predicted_step_s"] for m in m0 if "predicted_step_s" in m]
+    if stamped:  # the run's prediction, on its probed records (`predicted.py`)
+        out["predicted_step_s"] = stamped[-1]
     for key in ("activation_bytes", "allreduce_calls", "allreduce_bytes", "optimizer_bytes",
                 "comm_bytes"):
         if key in m0[0] and m0[0][key] is not None:
@@ -80,6 +112,9 @@ def summarize(metrics):
         out["comm_by_op"] = m0[-1]["comm_by_op"]  # the last step's: the steady state
     if peaks:
         out["peak_bytes"] = max(peaks)
+    predicted = [m["predicted_peak_bytes"] for m in metrics if "predicted_peak_bytes" in m]
+    if predicted:
+        out["predicted_peak_bytes"] = max(predicted)
     return out
 
 

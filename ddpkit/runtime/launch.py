@@ -1,61 +1,85 @@
-"""`launch`: run a function on N ranks from a notebook kernel, and the checks made before it.
+"""`launch`: run a function on N ranks from a notebook kernel, on the ranks ``pool=`` names.
 
-Bad settings and unpicklable arguments raise here, before any process exists; each check is
-named for what it checks and says how to recover. The job (function, arguments, seed, the
-kernel's determinism flags, the collective timeout) is cloudpickled once and sent to every rank.
+``pool=`` means one thing wherever ddpkit takes it (`launch`, `train`, `sweep`,
+`pitfalls.run`): ``"fresh"`` (ranks started for this run alone), ``"shared"`` (the kernel's warm
+pool for these ranks, `pool.shared_pool`; fresh ranks while it runs another job) or a `Pool` of
+yours. `resolve_pool` reads it (the old spellings None, True and False are refused, naming the
+new one: None meant fresh ranks to `launch` and the shared pool to `train`), and `check_pool` is
+the one check that a `Pool` fits a run. Bad settings and unpicklable arguments raise before any
+process exists (`job`).
 """
 from __future__ import annotations
 
-import inspect
-import os
-import socket
-import sys
-
-import cloudpickle
-
-from .. import shipping
 from ..devices import resolve_devices
-from ..rank.entry import capture_job_state
 from .group import HOST, RankGroup, interrupts_held
 from .handle import RunHandle
+from .job import check_options, finish, make_job
+from .pool import Pool, PoolBusy, shared_pool
+
+POOLS = ("shared", "fresh")
+
+
+def resolve_pool(pool):
+    """``pool=`` as one of ``"shared"``, ``"fresh"`` or a `Pool`; anything else is refused,
+    naming the new spelling."""
+    if isinstance(pool, Pool) or (isinstance(pool, str) and pool in POOLS):
+        return pool
+    old = {None: "'fresh' to launch() and 'shared' to train()", True: "'shared'",
+           False: "'fresh'"}
+    said = f" (it meant {old[pool]}: write that)" if isinstance(pool, bool) or pool is None \
+        else ""
+    raise TypeError(f"pool={pool!r}{said}: pass pool='shared' (the kernel's warm ranks), "
+                    f"pool='fresh' (ranks for this run alone) or a ddpkit.Pool")
+
+
+def check_pool(pool, world_size=None, backend=None, device=None, host=None, named=""):
+    """The one check that ``pool`` (a `Pool`) can serve a run of ``world_size`` ranks on
+    ``backend``/``device`` (each as given: None is the pool's own) listening on ``host``;
+    ``named``: how the run's settings are named in the error (``"TrainConfig."``)."""
+    if world_size is not None and world_size != pool.world_size:
+        raise ValueError(f"{named}world_size={world_size} but the pool has {pool.world_size} "
+                         f"ranks; pass a pool of {world_size} ranks, or pool='shared'")
+    if backend is not None or device is not None:
+        backend, device = resolve_devices(pool.world_size, backend or pool.backend,
+                                          device or pool.device)
+        if (backend, device) != (pool.backend, pool.device):
+            raise ValueError(f"{named[:-1] or 'the run'} asks for {backend} on {device}, the "
+                             f"pool runs {pool.backend} on {pool.device}; pass a matching pool "
+                             f"or pool='shared'")
+    if host is not None and host != pool.host:
+        raise ValueError(f"host={host!r} but the pool listens on {pool.host!r}; pass "
+                         f"host={pool.host!r} or make a Pool with host={host!r}")
 
 
 def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on_metric=None,
-           on_output=None, stall_timeout_s=300.0, seed=0, pool=None, port=None, host=HOST,
+           on_output=None, stall_timeout_s=300.0, seed=0, pool="fresh", port=None, host=HOST,
            **kwargs):
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks (default 2); the group is up.
 
     block=True returns a `RunResult` (``returns`` of every rank, ``metrics`` of every rank);
     block=False returns a `RunHandle` at once. ``on_metric(record)`` and ``on_output(rank, line)``
-    are called from ddpkit's drain thread as records and output lines arrive. ``pool``: None or
-    False starts ranks for this run alone; a `Pool` runs on that pool's warm ranks; True on the
-    kernel's shared pool for these ranks (`ddpkit.shutdown` ends it). ``stall_timeout_s``: end
-    the run with `RankStalled` when a rank sends nothing (no ``ctx.log``) for that long; None
-    turns the watchdog off.
+    are called from ddpkit's drain thread as records and output lines arrive. ``pool``:
+    ``"fresh"`` (the default) starts ranks for this run alone; ``"shared"`` runs on the kernel's
+    warm pool for these ranks (`ddpkit.shutdown` ends it); a `Pool` on that pool's warm ranks.
+    ``stall_timeout_s``: end the run with `RankStalled` when a rank sends nothing (no
+    ``ctx.log``) for that long; None turns the watchdog off.
     ``host``: the address the rendezvous store and the ranks' gloo sockets listen on; loopback
     by default, so nothing outside this machine can reach them. Pass another address of this
     machine only when something elsewhere must connect (the store has no authentication).
     The names above are the launcher's; every other keyword goes to ``fn``.
     """
-    if pool is True:
+    pool = resolve_pool(pool)
+    kw = dict(block=block, on_metric=on_metric, on_output=on_output,
+              stall_timeout_s=stall_timeout_s, seed=seed, **kwargs)
+    if pool == "shared":
         if port is not None:
-            raise ValueError(f"port={port} with pool=True: the shared pool's ranks have their "
-                             f"own port; pass pool=None for a launch on port {port}")
-        from .pool import launch_shared
-
-        return launch_shared(fn, *args, world_size=2 if world_size is None else world_size,
-                             backend=backend, device=device, host=host, block=block,
-                             on_metric=on_metric, on_output=on_output,
-                             stall_timeout_s=stall_timeout_s, seed=seed, **kwargs)
-    if pool is not None and pool is not False:
-        if world_size not in (None, pool.world_size):
-            raise ValueError(f"world_size={world_size} but the pool has {pool.world_size} ranks; "
-                             f"pass world_size={pool.world_size} or make a new Pool")
-        if host != pool.host:
-            raise ValueError(f"host={host!r} but the pool listens on {pool.host!r}; pass "
-                             f"host={pool.host!r} or make a Pool with host={host!r}")
-        return pool.launch(fn, *args, block=block, on_metric=on_metric, on_output=on_output,
-                           stall_timeout_s=stall_timeout_s, seed=seed, **kwargs)
+            raise ValueError(f"port={port} with pool='shared': the shared pool's ranks have "
+                             f"their own port; pass pool='fresh' for a launch on port {port}")
+        pool = shared_pool(2 if world_size is None else world_size, backend, device, host)
+        return launch_or_fresh(pool, fn, *args, **kw)
+    if isinstance(pool, Pool):
+        check_pool(pool, world_size, host=host)
+        return pool.launch(fn, *args, **kw)
     world_size = 2 if world_size is None else world_size
     check_options(block, on_metric, on_output, port, host)
     backend, device = resolve_devices(world_size, backend, device)
@@ -69,90 +93,11 @@ def launch(fn, *args, world_size=None, backend=None, device=None, block=True, on
     return finish(handle, block, held)
 
 
-def finish(handle, block, held):
-    """A started run's handle, or its result; a kernel interrupt held while it started stops it
-    and is raised now (its ranks all known, so all ended)."""
-    if held:
-        handle.stop()
-        raise KeyboardInterrupt
-    return handle.wait() if block else handle
-
-
-def check_options(block=True, on_metric=None, on_output=None, port=None, host=HOST):
-    """The launcher's own keywords, checked before anything starts."""
-    if not isinstance(block, bool):
-        raise TypeError(f"block must be True or False, got {block!r}")
-    for name, cb in (("on_metric", on_metric), ("on_output", on_output)):
-        if cb is not None and not callable(cb):
-            raise TypeError(f"{name} must be a callable (e.g. a function of the record) or None, "
-                            f"got {type(cb).__name__}")
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
-                             or not 1 <= port <= 65535):
-        raise ValueError(f"port={port!r}: pass a TCP port in 1..65535, or port=None and ddpkit "
-                         f"picks a free one")
-    check_host(host)
-
-
-def check_picklable(fn, args, kwargs):
-    """cloudpickle the job now, so an unpicklable object is named before any process starts."""
-    if not callable(fn):
-        raise TypeError(f"launch() needs a function to run on each rank, got {type(fn).__name__} "
-                        f"{fn!r}; pass a callable like `def work(ctx, ...)`")
+def launch_or_fresh(pool, fn, *args, **kw):
+    """``pool.launch``, or a fresh launch of ranks like the pool's while it is busy with another
+    job (a Lab run going on in the background, say)."""
     try:
-        inspect.signature(fn).bind(None, *args, **kwargs)  # None stands for ctx
-    except TypeError as exc:
-        raise TypeError(f"{getattr(fn, '__name__', fn)}(ctx, ...) cannot take these arguments: "
-                        f"{exc}. The first parameter receives the rank's Context; pass the rest "
-                        f"after the function") from None
-    except ValueError:
-        pass  # no signature to check (some builtins)
-    try:
-        return shipping.dumps((fn, tuple(args), dict(kwargs)))
-    except Exception as exc:
-        named = [("the function", fn)] + [(f"argument {i} ({type(a).__name__})", a)
-                                          for i, a in enumerate(args, 1)]
-        named += [(f"keyword argument {k!r} ({type(v).__name__})", v) for k, v in kwargs.items()]
-        for label, obj in named:
-            try:
-                cloudpickle.dumps(obj)
-            except Exception as inner:
-                raise TypeError(
-                    f"{label} cannot be sent to the ranks: {inner}. Each rank is a fresh process, so "
-                    f"everything passed must pickle; create it inside the function instead "
-                    f"(e.g. open files, locks, sockets, CUDA streams)") from inner
-        raise TypeError(f"the job cannot be pickled: {exc}") from exc
-
-
-def check_host(host):
-    """``host=``: the one address the store and the ranks' sockets listen on."""
-    if not isinstance(host, str) or not host:
-        raise TypeError(f"host must be an address string such as '127.0.0.1', got {host!r}")
-    try:
-        socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ValueError(f"host={host!r} does not resolve ({exc.strerror}); pass "
-                         f"host='127.0.0.1' (the default: loopback only) or an address of this "
-                         f"machine") from None
-
-
-def collective_timeout(stall_timeout_s):
-    """gloo/NCCL's own collective timeout: above the watchdog's, so the watchdog speaks first."""
-    return max(120.0, 2 * stall_timeout_s) if stall_timeout_s else 1800.0
-
-
-def make_job(fn, args, kwargs, seed, stall_timeout_s):
-    """One job for the ranks (a spawned group's or a warm pool's), checked: the function and
-    its arguments by value, the seed, the kernel's determinism flags, the collective timeout."""
-    if stall_timeout_s is not None and not stall_timeout_s > 0:
-        raise ValueError(f"stall_timeout_s={stall_timeout_s!r}: pass a number of seconds > 0, "
-                         f"or None to turn the watchdog off")
-    if not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    payload = check_picklable(fn, args, kwargs)
-    # the collective timeout travels with each job: a pool's ranks serve jobs of any
-    # stall_timeout_s, and torch's own timeout must never fire before ddpkit's watchdog. So do
-    # the kernel's environment and import path of this moment: what a fresh rank inherits, and
-    # what a warm rank takes on before the job (ddpkit.rank.fresh.Baseline.enter)
-    return {"payload": payload, "seed": seed, "flags": capture_job_state(),
-            "pg_timeout_s": collective_timeout(stall_timeout_s), "environ": dict(os.environ),
-            "sys_path": list(sys.path)}
+        return pool.launch(fn, *args, **kw)
+    except PoolBusy:
+        return launch(fn, *args, world_size=pool.world_size, backend=pool.backend,
+                      device=pool.device, host=pool.host, **kw)

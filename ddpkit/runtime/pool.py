@@ -1,6 +1,7 @@
 """`Pool`: ranks kept alive between runs, so a launch skips spawn, imports and rendezvous;
 `shared_pool`: the kernel's one warm pool per (world size, backend, device, host), which
-`train`, `sweep`, `pitfalls.run`, the Lab and the CLI use by default; `shutdown` ends them.
+``pool="shared"`` names (`train`, `sweep`, `pitfalls.run`, the Lab and the CLI use it by
+default); `shutdown` ends them.
 
 A shared pool ends its ranks by itself after ``DDPKIT_POOL_IDLE_S`` seconds without a job
 (600 by default), and at interpreter exit, so an idle kernel does not hold CPU memory or CUDA
@@ -20,7 +21,7 @@ from . import start
 from .group import HOST, RankGroup, interrupts_held, startup_env
 from .start import IDLE_DEFAULT_S, IDLE_ENV, idle_timeout  # noqa: F401  (this module's setting)
 from .handle import RunHandle
-from .launch import check_options, collective_timeout, finish, make_job
+from .job import check_options, collective_timeout, finish, make_job
 
 
 
@@ -218,20 +219,3 @@ def shutdown():
     for pool in pools:
         pool.close()
     start.stop_if_unused()  # the forkserver, unless a Pool of the user's still uses it
-
-
-def launch_or_fresh(pool, fn, *args, **kw):
-    """``pool.launch``, or a fresh launch of ranks like the pool's while it is busy with another
-    job (a Lab run going on in the background, say)."""
-    from .launch import launch
-
-    try:
-        return pool.launch(fn, *args, **kw)
-    except PoolBusy:
-        return launch(fn, *args, world_size=pool.world_size, backend=pool.backend,
-                      device=pool.device, host=pool.host, **kw)
-
-
-def launch_shared(fn, *args, world_size=2, backend=None, device=None, host=HOST, **kw):
-    """``launch`` on the shared pool for these ranks (fresh ranks while it is busy)."""
-    return launch_or_fresh(shared_pool(world_size, backend, device, host), fn, *args, **kw)

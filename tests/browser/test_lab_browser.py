@@ -56,7 +56,7 @@ labs = {}"""] + [f"labs[{n}] = ddpkit.Lab(ddpkit.TrainConfig(model=gpt2({n}), mi
                  f"seq_len=16, checkpoint={c}))\nlabs[{n}]" for n, c in BLOCKS.items()] + [
     "import json\nwith open('labs.json', 'w') as fh:  # what the kernel says, for the test\n"
     "    json.dump({n: dict(tooltips=[t.tooltip for t in lab.block_toggles], mask=lab.config()"
-    ".checkpointing.mask, label=lab.config().checkpointing.label(), heights=[f.layout.height "
+    ".checkpoint.mask, label=lab.config().checkpoint.label(), heights=[f.layout.height "
     "for f in (lab.plots.loss, lab.plots.memory, lab.peaks.figure, lab.plots.timing, "
     "lab.timeline.lanes, lab.timeline.exposed)]) for n, lab in labs.items()}, fh)\n"
     "print('labs ready')"]

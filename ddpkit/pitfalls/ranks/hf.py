@@ -8,6 +8,8 @@ import warnings
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ...engine.policies import CheckpointPolicy
+from ...spec.setting import CheckpointSetting
 from .models import flat_grads, max_diff
 
 
@@ -103,14 +105,12 @@ def rank_lora(ctx, variants, steps=2):
     """Each variant (label -> (use_reentrant, enable_input_require_grads)) of the LoRA GPT-2
     with its first block checkpointed by torch's checkpoint (ddpkit's `CheckpointSetting`:
     2 segments, the last never checkpointed), under plain DDP; against no checkpointing."""
-    from ...engine.policies import CheckpointSetting
-
     def run(reentrant, input_grads):
         model = tiny_lora_gpt2().train()
         if input_grads:
             model.enable_input_require_grads()
         if reentrant is not None:
-            CheckpointSetting.of(2, 2).build(use_reentrant=reentrant).apply(
+            CheckpointPolicy(CheckpointSetting.of(2, 2), use_reentrant=reentrant).apply(
                 model, "base_model.model.transformer.h")
         ddp = DDP(model)
         opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1)

@@ -1,5 +1,5 @@
 """A model built with no memory and without its weight initialisation, for what needs only its
-shapes: where its blocks are (`spec.model_info`), what a step saves and allocates (the
+shapes: where its blocks are (`model.model_info`), what a step saves and allocates (the
 estimate's trace and the simulated step, on ``FakeTensorMode`` tensors).
 
 Weight values do not change what a step saves or allocates, and a model's initialisation may
@@ -19,7 +19,7 @@ aten._local_scalar_dense``). So the initialisation is left out, the way model li
    again as an empty fake CPU tensor, a tied one once (so tied weights stay tied);
 3. **fake tensors, the model's own initialisation** (how it was built before).
 
-`spec.model_info` needs no fake tensors: it builds on meta first, then tries 1.
+`model.model_info` needs no fake tensors: it builds on meta first, then tries 1.
 
 When every way fails, `TraceError` names the stage (building the model, installing the
 checkpoint policy, the forward, the step), the op that could not run on fake tensors (and where
@@ -114,7 +114,7 @@ def _materialise(model, device="cpu"):
 def build_empty(factory, name, mode=None, who="ddpkit.estimate"):
     """``(model, how)``: ``factory()`` built without memory or initialisation, ``how`` the way
     that worked (the module's order). With ``mode`` (a ``FakeTensorMode`` the caller has entered)
-    the model is on fake CPU tensors; without, on meta where it builds there (`spec.model_info`),
+    the model is on fake CPU tensors; without, on meta where it builds there (`model.model_info`),
     else on fake tensors of a mode of its own."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 

@@ -12,6 +12,9 @@ and what it falls back to) to learn what the kernel needs before anything is spa
 the stacks of blocks are and how many blocks each holds, whether it is a
 Hugging Face causal LM (then ``data=None`` means synthetic tokens), whether it switched on its
 own checkpointing. It is cached per factory.
+
+`build_model(plan)` builds the model a `RankPlan` names, as each rank does (seeded, prepared
+for training); `build_fake` and `fake_model` build it on fake tensors for the predictions.
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ import torch
 import torch.nn as nn
 
 from . import rng
-
-BUILTIN = ("mlp", "gpt")
-
+from .blocks import find_stacks
+from .builtin import build_builtin
+from .empty import build_empty
+from .names import MODELS as BUILTIN
 
 def describe_spec(spec):
     """How a model/data/loss spec prints: a name, an import path, or the function's name."""
@@ -167,9 +171,6 @@ def model_info(model_spec, blocks=None, seed=0, build=None, build_key=None):
     the factory itself (a built-in model built from its config), cached per ``build_key`` (the
     values ``build`` reads) when one is given. Built on the meta device, else on fake tensors
     (`empty.build_empty`): no memory either way."""
-    from .blocks import find_stacks
-    from .empty import build_empty
-
     key = (model_spec if isinstance(model_spec, str) else id(model_spec), blocks, build_key)
     cached = build is None or build_key is not None
     hit = _INFO.get(key)
@@ -260,48 +261,48 @@ def to_device(batch, device):
 
 
 # ----------------------------------------------------------------------------- building
-def build_model(cfg):
-    """The model a config names, initialised from cfg.seed (the same on every rank), with the
-    notes of what `prepare_for_training` changed."""
-    from . import models
-
-    torch.manual_seed(cfg.seed)
-    if cfg.model in BUILTIN:
-        return models.build_builtin(cfg), []
-    model = call_factory(cfg.model)
+def build_model(plan):
+    """The model a `RankPlan` names, initialised from plan.seed (the same on every rank), with
+    the notes of what `prepare_for_training` changed."""
+    torch.manual_seed(plan.seed)
+    if plan.model in BUILTIN:
+        return build_builtin(plan.model, **builtin_shape(plan)), []
+    model = call_factory(plan.model)
     return model, prepare_for_training(model)
 
 
-def build_fake(cfg, mode):
+def builtin_shape(c):
+    """The sizes a built-in model is built from, read from a config or a plan."""
+    return dict(n_blocks=c.n_blocks, width=c.width, mlp_ratio=c.mlp_ratio, seq_len=c.seq_len,
+                vocab=c.vocab, n_heads=c.n_heads, dropout=c.dropout)
+
+
+def build_fake(plan, mode):
     """`build_model` on fake tensors, without the weights' initialisation (`empty.build_empty`:
     what a step saves does not depend on it). Call it inside ``mode`` (a ``FakeTensorMode``).
     Returns ``(model, notes, how)``: ``how`` is the way it was built."""
-    from . import models
-    from .empty import build_empty
-
-    torch.manual_seed(cfg.seed)
-    if cfg.model in BUILTIN:
-        model, how = build_empty(lambda: models.build_builtin(cfg), cfg.model, mode)
+    torch.manual_seed(plan.seed)
+    if plan.model in BUILTIN:
+        model, how = build_empty(lambda: build_builtin(plan.model, **builtin_shape(plan)),
+                                 plan.model, mode)
         return model, [], how
-    name = f"TrainConfig.model={describe_spec(cfg.model)}"
-    model, how = build_empty(factory_of(cfg.model), name, mode)
-    model = check_module(model, cfg.model)
+    name = f"TrainConfig.model={describe_spec(plan.model)}"
+    model, how = build_empty(factory_of(plan.model), name, mode)
+    model = check_module(model, plan.model)
     return model, prepare_for_training(model), how
 
 
-def fake_model(cfg, mode, keep=None, dtype=None):
+def fake_model(plan, mode, keep=None, dtype=None):
     """``(model, how)``: `build_fake`'s model in training mode, cut to its first ``keep`` blocks
     of each stack when asked (an int for one stack, a tuple for several: the estimate at real
     sizes traces and simulates a few blocks and carries their figures to all), its floating
     parameters and buffers in ``dtype`` when given (FSDP's mixed precision computes with them
     so: made again empty in that dtype, a tied weight once; ``Module.to`` cannot swap a fake
     tensor that FakeTensorMode's memo holds a weak reference to)."""
-    from .blocks import find_stacks
-
     with mode:
-        model, _, how = build_fake(cfg, mode)
+        model, _, how = build_fake(plan, mode)
         if keep is not None:  # an int: the one stack's; a tuple: each stack's
-            stacks = find_stacks(model, cfg.blocks_path)
+            stacks = find_stacks(model, plan.blocks)
             keeps = (keep,) if isinstance(keep, int) else tuple(keep)
             if len(keeps) != len(stacks):
                 raise ValueError(f"a model cut to {keeps} blocks has {len(keeps)} stack(s); "

@@ -1,0 +1,105 @@
+"""`estimate(cfg).step_time()`: the rank's simulated step played on a machine's rates.
+
+These tests use a machine of stated round rates (`RATES`), so what they check is how the step
+is played (what overlaps, what waits, what recompute adds, what a link costs), not how fast
+this machine is; `bench/step_time.py` sets predictions beside measured runs.
+"""
+import math
+
+import pytest
+
+import ddpkit
+from ddpkit.predict import streams
+from ddpkit.predict.optrace import Mark, Op
+from ddpkit.predict.simulate import simulate
+from ddpkit.predict.steptime import COLUMNS, LEDGER, play, step_time
+from ddpkit.runs.timeline import COLUMNS as RUN_COLUMNS
+from machines import synthetic as machine
+
+def predict(**kw):
+    cfg = ddpkit.TrainConfig(**{**dict(model="gpt", n_blocks=4, width=64, seq_len=16,
+                                       micro_batch=2, world_size=2), **kw})
+    return step_time(cfg, machine=machine())
+
+
+def test_the_ledger_adds_up_and_the_timeline_has_the_runs_columns():
+    st = predict(optimizer="adamw", checkpoint=2, bucket_cap_mb=0.01)
+    assert set(st.ledger) == set(LEDGER)
+    assert math.isclose(sum(st.ledger.values()), st.seconds, rel_tol=1e-9)
+    assert st.ledger["recompute"] > 0 and st.ledger["optimizer"] > 0
+    assert COLUMNS == RUN_COLUMNS
+    tl = st.timeline
+    assert set(tl.kind) >= {"forward", "backward", "recompute", "allreduce", "optimizer"}
+    assert {f"block {i}" for i in range(4)} <= set(tl.name[tl.kind == "forward"])
+    assert (tl.end_s >= tl.start_s).all() and tl.end_s.max() <= st.seconds + 1e-12
+
+
+def test_small_buckets_start_during_backward_one_bucket_waits_for_its_end():
+    small, one = predict(bucket_cap_mb=0.01), predict(bucket_cap_mb=100)
+    buckets = lambda st: st.timeline[st.timeline.kind == "allreduce"]  # noqa: E731
+    assert len(buckets(one)) == 1 and len(buckets(small)) > 4
+    backward_end = small.timeline[small.timeline.kind == "backward"].end_s.max()
+    assert buckets(small).start_s.min() < backward_end  # overlapped with the backward
+    assert small.overlap > one.overlap
+    # one bucket starts with the last gradient: little of the backward is left to hide it
+    assert one.ledger["exposed_comm"] > 0.8 * one.comm_s
+
+
+def test_no_sync_all_reduces_once_per_step_and_without_it_every_micro_step():
+    synced, skipped = predict(accum_steps=4, no_sync=False), predict(accum_steps=4)
+    ar = lambda st: st.timeline[st.timeline.kind == "allreduce"]  # noqa: E731
+    assert sorted(set(ar(synced).micro_step)) == [0, 1, 2, 3]
+    assert sorted(set(ar(skipped).micro_step)) == [3]
+    assert skipped.comm_s < synced.comm_s and skipped.seconds < synced.seconds
+
+
+def test_recompute_is_the_checkpointed_blocks_forward_again():
+    none, full = predict(), predict(checkpoint="full")
+    assert none.ledger["recompute"] == 0
+    # every block's forward runs again (torch stops each a little early: at most that much)
+    blocks = none.timeline[(none.timeline.kind == "forward")
+                           & none.timeline.name.str.startswith("block")]
+    again = (blocks.end_s - blocks.start_s).sum()
+    assert 0.5 * again < full.ledger["recompute"] <= 1.05 * again
+    assert full.seconds > none.seconds
+
+
+def test_a_slower_simulated_link_exposes_more_communication():
+    fast, slow = predict(bucket_cap_mb=0.01), predict(bucket_cap_mb=0.01, link_gbps=0.01)
+    assert slow.ledger["exposed_comm"] > fast.ledger["exposed_comm"]
+    assert slow.comm_s > fast.comm_s
+
+
+def test_fsdp_and_zero1_play_their_collectives():
+    fsdp = predict(strategy="fsdp", optimizer="adamw")
+    kinds = set(fsdp.timeline.kind)
+    assert {"allgather", "reduce_scatter"} <= kinds and "allreduce" not in kinds
+    zero1 = predict(strategy="ddp_zero1", optimizer="adamw")
+    assert "broadcast" in set(zero1.timeline.kind)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(checkpoint="full", accum_steps=2),
+                                dict(strategy="fsdp", optimizer="adamw", checkpoint="full")])
+def test_a_stream_carried_from_3_and_4_blocks_plays_as_the_whole(kw):
+    base = dict(model="gpt", width=32, seq_len=8, micro_batch=2, world_size=2, **kw)
+    sims = {n: simulate(ddpkit.TrainConfig(n_blocks=n, **base), 0).stream for n in (3, 4, 6)}
+    carried = streams.extend(sims[3], sims[4], 6)
+    ops = lambda s: [(e.name, e.bytes, e.flops, e.phase) for e in s if isinstance(e, Op)]  # noqa: E731
+    marks = lambda s: [(e.what, e.block) for e in s  # noqa: E731
+                       if isinstance(e, Mark) and e.what.startswith(("block_", "recompute_"))]
+    assert marks(carried) == marks(sims[6])
+    assert len(ops(carried)) == len(ops(sims[6]))
+    whole, built = (play(s, machine(), ranks=2)[0] for s in (sims[6], carried))
+    assert built == pytest.approx(whole, rel=2e-3)
+
+
+def test_a_named_device_reports_mfu_and_a_network_slows_a_multi_node_step():
+    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=256, seq_len=64, micro_batch=8,
+                             world_size=16, precision="bf16", optimizer="adamw")
+    one_node = step_time(cfg.replace(world_size=8), device="H100")
+    assert 0 < one_node.mfu < 1 and one_node.tokens_per_s > 0
+    fast = step_time(cfg, device="H100", link="400Gbps")
+    slow = step_time(cfg, device="H100", link="10Gbps")
+    assert slow.comm_s > fast.comm_s
+    with pytest.raises(ValueError, match="not a device ddpkit knows"):
+        step_time(cfg, device="Z80")
