@@ -31,10 +31,13 @@ block alone checkpointed, minus the step with none), a selective mask costs
 The masks on the Pareto frontier of (FLOPs, activation peak) are enumerated exactly (every mask
 up to 16 blocks, every count per group of identical blocks beyond; this is the knapsack
 torch's ``torch.distributed._tools.sac_ilp`` solves with an ILP per operator). Each mask's step
-peak is then placed by the simulated step without checkpointing: its forward and backward
-phases lower by what the mask saves, its optimizer phase stays. The cheapest mask placed
-within the budget is simulated itself, and taken when its simulated peak fits (else the next):
-the plan's bytes are always a simulated step's.
+peak is first placed by the simulated step without checkpointing (its forward and backward
+phases lower by what the mask saves, its optimizer phase stays): the search's key, which can be
+optimistic by a few percent (a region's recompute comes back inside the backward, above where
+the placing puts it). So every mask on that placed frontier is then simulated itself
+(`peak.predicted_peak`: what ``estimate(cfg).peak()`` answers; composed from per-block pieces
+for a large model, so a row costs arithmetic), and the frontier kept on those simulated peaks:
+every row the plan shows, and its choice (the cheapest row that fits), is a simulated step's.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ from .units import fmt_bytes
 @dataclass
 class Choice:
     """One point of the trade-off: a per-block mask and what it costs per rank. ``peak``: its
-    simulated step peak, once simulated (`plan` simulates the one it takes)."""
+    simulated step peak, once simulated (`plan` simulates every row it shows)."""
     mask: tuple
     activations: int
     peak_activations: int
@@ -105,7 +108,7 @@ class Plan:
         return (cfg or self.config).replace(checkpoint=self.checkpoint)
 
     def frontier_table(self):
-        """The frontier: each mask's activations, placed step peak and FLOP ratio."""
+        """The frontier: each mask's activations, simulated step peak and FLOP ratio."""
         import pandas as pd
 
         return pd.DataFrame([dict(checkpointed=sum(c.mask), mask=str(c.setting.with_value(c.mask)),
@@ -225,6 +228,14 @@ def _masks(fig, limit=1_000_000):
         yield tuple(mask)
 
 
+def simulated_frontier(cfg, choices):
+    """``choices`` (a placed frontier), each simulated (``peak``: `predicted_peak` of its
+    setting), and the frontier of those simulated peaks: what `plan` shows and chooses from."""
+    for c in choices:
+        c.peak = predicted_peak(cfg.replace(checkpoint=c.checkpoint))
+    return frontier(choices)
+
+
 def frontier(choices):
     """The Pareto-optimal choices: none other has both fewer FLOPs and a lower peak."""
     best, out = None, []
@@ -244,19 +255,18 @@ def plan(cfg, memory_budget):
     budget = budget_bytes(memory_budget)
     fig = _figures(cfg)
     unchecked = predicted_peak(cfg.replace(checkpoint=None))
-    front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m, fig.none.stacks)), fig,
-                            unchecked)
-                     for m in _masks(fig))
+    placed = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m, fig.none.stacks)), fig,
+                             unchecked)
+                      for m in _masks(fig))
+    front = simulated_frontier(cfg, placed)
     # every block checkpointed keeps the fewest activations: what checkpointing can reach
-    lowest = unchecked if not front[1:] else predicted_peak(cfg.replace(checkpoint="full"))
+    lowest = unchecked if not placed[1:] else predicted_peak(cfg.replace(checkpoint="full"))
     if min(lowest.bytes, unchecked.bytes) > budget:
         return Plan(budget, None, front, _alternatives(cfg, budget), cfg,
                     _out_of_reach(unchecked, lowest), unchecked)
-    for c in front:  # cheapest first; simulate those placed within the budget
-        if c.placed <= budget:
-            c.peak = predicted_peak(cfg.replace(checkpoint=c.checkpoint))
-            if c.peak.bytes <= budget:
-                return Plan(budget, c, front, [], cfg, "", unchecked)
+    choice = next((c for c in front if c.total <= budget), None)  # the cheapest that fits
+    if choice is not None:
+        return Plan(budget, choice, front, [], cfg, "", unchecked)
     reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
               f"{fmt_bytes(min(c.total for c in front))})")
     return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
