@@ -150,7 +150,8 @@ class TrainConfig:
     stall_timeout_s: float = 120.0
     routing: str = "balanced"
     """What predictions assume of data-dependent routing (mixture of experts; training never
-    reads it): 'balanced' (each expert gets tokens*k/E) or 'worst' (k experts get every token)."""
+    reads it): 'balanced' (each expert gets tokens*k/E) or 'worst' (one expert gets every token:
+    the upper bound; `ddpkit.predict.datadep`)."""
     extra: dict = field(default_factory=dict, repr=False)
     """Free-form tags carried into results (not used by the engine)."""
 

@@ -85,3 +85,40 @@ def test_the_composed_step_is_the_whole_step(change, slack):
     runs = len(lib.simulated)
     lib.compose(base.checkpoint.with_value([i % 2 == 1 for i in range(9)]))
     assert len(lib.simulated) == runs
+
+
+def t5(layers=9):
+    def make():
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        return T5ForConditionalGeneration(T5Config(
+            num_layers=layers, num_decoder_layers=layers, d_model=32, d_ff=64, d_kv=8,
+            num_heads=4, vocab_size=64, dropout_rate=0.0, decoder_start_token_id=0,
+            pad_token_id=0, eos_token_id=1, use_cache=False))
+    return make
+
+
+def pairs(cfg):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(2, 64, (16, 8), generator=g), torch.randint(2, 64, (16, 8), generator=g)
+    return [{"input_ids": a, "labels": b} for a, b in zip(x, y)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_two_stack_model_composes_to_its_whole_step(strategy):
+    """T5's encoder and decoder, 9 blocks each (block 0 of each holds the position bias): a
+    selective list across both stacks, segments per stack and every block, composed from cuts
+    of 4 blocks per stack, equal to the whole simulation to the byte."""
+    pytest.importorskip("transformers")
+    base = ddpkit.TrainConfig(model=t5(), data=pairs, micro_batch=2, optimizer="adamw",
+                              strategy=strategy, **CPU)
+    lib = Library(base, 0, simulate)
+    mask = [i % 3 != 1 for i in range(9)] + [i % 2 == 0 for i in range(9)]
+    for value in (mask, 2, "full"):
+        cfg = base.replace(checkpoint=value)
+        composed = lib.compose(cfg.checkpoint)
+        assert all(k == (4, 4) or k == (6, 6) or k == (8, 8) for k, _ in
+                   composed.composition.simulated)
+        same(composed, simulate(cfg), cfg)

@@ -165,3 +165,30 @@ def pool():
     from ddpkit.runtime.pool import shared_pool
 
     return shared_pool(2, "gloo", "cpu")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_plans_fits_and_shows_its_routing_in_the_lab(name):
+    """`plan`, `fits` and the Lab's read-out on an MoE model whose experts loop over the tokens
+    routed to each (data-dependent ops): each answers from the simulated step under the routing
+    assumed, and the read-out says what was assumed."""
+    pytest.importorskip("transformers")
+    import html
+    import time
+
+    cfg = families.config("mixtral", model=moe(name), optimizer="adamw")
+    peak = ddpkit.estimate(cfg).peak()
+    assert peak.assumed and ddpkit.estimate(cfg).fits(peak.bytes) and \
+        not ddpkit.estimate(cfg).fits(peak.bytes - 1)
+    p = ddpkit.plan(cfg, peak.bytes - 1)
+    if p.fits:  # the choice is its own simulated step, under the same routing
+        assert p.choice.peak == ddpkit.estimate(p.apply()).peak() and p.choice.peak.assumed
+    else:
+        assert p.reason
+    with ddpkit.Lab(cfg) as lab:
+        deadline = time.monotonic() + 60
+        while "the step's peak" not in lab.estimate_html.value:
+            assert time.monotonic() < deadline, lab.estimate_html.value
+            time.sleep(0.02)
+        text = html.unescape(lab.estimate_html.value)
+    assert "assumed: balanced routing assumed at " in text, text
