@@ -37,6 +37,8 @@ from ..engine.memory import KINDS
 from ..engine.strategies import is_fsdp
 from .layouts import CUT, Layout, candidates, layout_text, micro_class, role, segment_like, states
 from .pieces import Piece, Recorder, Walk, chain, in_order, summarize
+from .simulate import Simulation, _plus, cublas_workspaces
+from .trace import run_target
 
 _K = len(KINDS)
 
@@ -248,9 +250,6 @@ class Library:
     # ------------------------------------------------------------------ composing
     def compose(self, setting):
         """The `Simulation` of ``setting`` on the whole model, from the library's pieces."""
-        from .simulate import Simulation, _plus, cublas_workspaces
-        from .trace import run_target
-
         with self.lock:
             self.need(setting)
             mine = set(zip((w[0] for w in self._where(setting)), states(setting, self.fine)))

@@ -17,8 +17,9 @@ notes which answered each op (`notes`: op, where in the model's code, how it was
    ``"worst"`` (one expert's capacity filled: every row takes expert 0, its other k-1 choices
    spread over the rest, so every expert still runs; with k = 1 the rest get one row each: the
    most one expert can hold while all run, a dropless router's upper bound; a model with a
-   capacity factor drops what is over it in its own code, from the shadows). Everything routed downstream (one-hot masks, ``where``, per-expert token lists,
-   ``histc`` offsets) then has shadows and is exact under the assumption.
+   capacity factor drops what is over it in its own code, from the shadows). Everything routed
+   downstream (one-hot masks, ``where``, per-expert token lists, ``histc`` offsets) then has
+   shadows and is exact under the assumption.
 3. **At the upper bound.** ``nonzero``, ``masked_select``, boolean indexing and ``unique`` of
    values no shadow holds are sized at their input's size (every element counted): their output
    is never larger.
