@@ -61,12 +61,31 @@ def same(composed, whole, cfg, slack=0):
 
 
 SETTINGS = [None, "full", 3, 4, [True, False, True, True, False, False, True, False, False]]
+BREADTH = pytest.mark.breadth  # the whole matrix: minutes of whole simulations (--breadth)
+
+
+def test_a_selective_list_and_segments_compose_to_the_whole_step():
+    """A selective list (regions of one block, plain ones between) and segments of 3 blocks (a
+    region's recompute, and what it holds) on 6 blocks, composed from cuts of the model, equal
+    to the whole simulation: peak, phase, each phase's highest moment, the ledger, the loads."""
+    pytest.importorskip("transformers")
+    base = ddpkit.TrainConfig(model=llama(6), seq_len=32, micro_batch=2, optimizer="adamw",
+                              **CPU)
+    lib = Library(base, 0, simulate)
+    for value in ([True, False, True, True, False, False], 2):
+        cfg = base.replace(checkpoint=value)
+        composed = lib.compose(cfg.checkpoint)
+        assert composed.how == "composed" and composed.composition.simulated
+        same(composed, simulate(cfg), cfg)
 
 
 @pytest.mark.parametrize("change, slack", [
-    (dict(), 0), (dict(strategy="fsdp"), 0), (dict(accum_steps=3), 0),
-    (dict(optimizer="zero1"), 64),        # its partition of the state, along a line: to bytes
-    (dict(precision="bf16"), 256),        # a position tensor's kind, not its bytes
+    pytest.param(dict(), 0, marks=BREADTH), pytest.param(dict(strategy="fsdp"), 0, marks=BREADTH),
+    pytest.param(dict(accum_steps=3), 0, marks=BREADTH),
+    # its partition of the state, along a line: to bytes
+    pytest.param(dict(optimizer="zero1"), 64, marks=BREADTH),
+    # a position tensor's kind, not its bytes
+    pytest.param(dict(precision="bf16"), 256, marks=BREADTH),
 ], ids=["ddp", "fsdp", "accum3", "zero1", "bf16"])
 def test_the_composed_step_is_the_whole_step(change, slack):
     """Every kind of setting on 9 blocks: none, every block, segments of 3 and of 2 blocks (a
@@ -106,6 +125,19 @@ def pairs(cfg):
     return [{"input_ids": a, "labels": b} for a, b in zip(x, y)]
 
 
+def test_a_selective_list_on_two_stacks_composes_to_the_whole_step():
+    """T5's encoder and decoder, 5 blocks each (block 0 of each holds its position bias): a
+    selective list across both stacks, composed from a cut of 4 blocks per stack, equal to the
+    whole simulation to the byte."""
+    pytest.importorskip("transformers")
+    cfg = ddpkit.TrainConfig(model=t5(5), data=pairs, micro_batch=2, optimizer="adamw", **CPU,
+                             checkpoint=[True, False, True, True, False] * 2)
+    composed = Library(cfg, 0, simulate).compose(cfg.checkpoint)
+    assert [k for k, _ in composed.composition.simulated] == [(4, 4)]
+    same(composed, simulate(cfg), cfg)
+
+
+@pytest.mark.breadth
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_two_stack_model_composes_to_its_whole_step(strategy):
     """T5's encoder and decoder, 9 blocks each (block 0 of each holds the position bias): a
