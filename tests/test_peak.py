@@ -9,7 +9,6 @@ import ddpkit
 from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
 from ddpkit.engine.memory import KINDS, PHASES
-from ddpkit.spec.names import FSDP_STRATEGIES
 
 CPU = dict(backend="gloo", device="cpu")
 BASE = dict(model="gpt", n_blocks=3, width=64, seq_len=32, vocab=256, world_size=2,
