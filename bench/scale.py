@@ -42,7 +42,8 @@ def t5_xl():
     return T5ForConditionalGeneration(T5Config(d_model=2048, d_ff=5120, d_kv=64, num_heads=32,
                                                num_layers=24, num_decoder_layers=24,
                                                vocab_size=32128, feed_forward_proj="gated-gelu",
-                                               dropout_rate=0.0, use_cache=False))
+                                               dropout_rate=0.0, decoder_start_token_id=0,
+                                               pad_token_id=0, eos_token_id=1, use_cache=False))
 
 
 def mixtral_8x7b():
