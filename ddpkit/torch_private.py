@@ -130,6 +130,17 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
     # profiler and CUDA
     "torch._C._profiler._ExtraFields_Allocation": "engine/memory.py: the CPU peak's allocations",
     "torch._C._autograd._ProfilerResult.experimental_event_tree": "engine/memory.py: ... in order",
+    "torch._C._autograd._prepare_profiler":
+        "engine/allocations.py: the peak probe's CPU window, enabled for the user's ranges only "
+        "(torch.autograd.profiler.profile enables every op's)",
+    "torch._C._autograd._enable_profiler": "engine/allocations.py: ... the window opens",
+    "torch._C._autograd._disable_profiler": "engine/allocations.py: ... and closes",
+    "torch._C._profiler.ProfilerConfig": "engine/allocations.py: ... its configuration",
+    "torch._C._profiler.ProfilerState": "engine/allocations.py: ... KINETO",
+    "torch._C._profiler.ProfilerActivity": "engine/allocations.py: ... CPU",
+    "torch._C._profiler.RecordScope": "engine/allocations.py: ... USER_SCOPE",
+    "torch._C._profiler._ExperimentalConfig": "engine/allocations.py: ... its defaults",
+    "torch._C._profiler._EventType": "engine/allocations.py: ... an allocation's event",
     "torch.cuda.memory._record_memory_history": "engine/memory.py: TrainConfig.memory_snapshot",
     "torch.cuda.memory._dump_snapshot": "engine/memory.py: TrainConfig.memory_snapshot",
     "torch.cuda._get_nvml_device_index": "devices.py: a GPU's capability without a CUDA context",

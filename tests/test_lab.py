@@ -8,6 +8,7 @@ import pytest
 import ddpkit
 import machines
 from ddpkit.lab.plots import thin
+from ddpkit.predict.gpus import allocator_allowance
 
 CFG = dict(model="mlp", n_blocks=4, width=32, world_size=2, micro_batch=4, accum_steps=1,
            steps=6, peak_every=3)
@@ -316,8 +317,10 @@ def test_the_planner_box_sets_the_block_toggles_to_the_plan():
     with ddpkit.Lab(cfg) as lab:
         est = ddpkit.estimate(cfg)
         budget = est.params + est.grads + est.optimizer + est.activations // 2
-        lab.planner.budget.value = f"{budget}B"
-        p = ddpkit.plan(lab.config(), budget)
+        memory = budget + allocator_allowance(cfg).of(budget)  # and the allocator beside it
+        lab.planner.budget.value = f"{memory}B"
+        p = ddpkit.plan(lab.config(), memory)
+        assert p.budget == budget and f"{p.allowance}" in html.unescape(lab.planner.readout.value)
         assert p.fits and lab.planner.last.checkpoint == p.checkpoint
         assert [t.value for t in lab.block_toggles] == p.checkpoint
         assert lab.config().checkpoint == p.checkpoint
@@ -394,21 +397,34 @@ def test_the_peak_panel_sets_each_ranks_peak_beside_the_prediction(lab):
     _until(predicted)
     last = {m["rank"]: m for m in lab.metrics if "peak_bytes" in m}
     rows = re.findall(r"<tr><td>rank (\d), step (\d+)</td><td>(.*?)</td><td>(.*?)</td>"
-                      r"<td>([-+\d.]+)%</td></tr>", panel.table.value)
+                      r"<td>([-+\d.]+)%</td><td>(.*?)</td></tr>", panel.table.value)
     assert sorted(int(r[0]) for r in rows) == [0, 1]
-    for rank, step, measured, predicted, err in rows:
+    fmt = ddpkit.predict.units.fmt_bytes
+    for rank, step, measured, predicted, err, process in rows:
         m = last[int(rank)]
         want = ddpkit.estimate(lab.config()).peak(step=min(m["step"], 1), rank=m["rank"])
         assert int(step) == m["step"] and f"in the {m['peak_phase']}" in measured
         assert f"in the {want.phase}" in predicted and abs(float(err)) <= 3
-    # one stacked bar per rank measured, one predicted; each bar's segments add up to its peak
-    bars = {}
+        # the process beside the tensors: its peak, and the allocator's share (the difference)
+        share = m["process_peak_bytes"] - m["peak_bytes"]
+        assert process.startswith(fmt(m["process_peak_bytes"])) and f"allocator {fmt(share)}" in process
+    # one stacked bar per rank measured, one predicted; each bar's tensor segments add up to its
+    # peak, and the allocator's segment on top: measured, the process's peak beyond the tensors';
+    # predicted, the allowance fits() and plan() take for it
+    bars, allocator = {}, {}
     for trace in panel.figure.data:
         for name, x in zip(trace.y, trace.x):
-            bars[name] = bars.get(name, 0) + x
+            into = allocator if trace.name == "allocator" else bars
+            into[name] = into.get(name, 0) + x
     assert set(bars) == {"r0 measured", "r1 measured", "r0 predicted"}
     unit = dict(ddpkit.predict.units.UNITS)[panel.figure.layout.xaxis.title.text]
     assert bars["r0 measured"] * unit == pytest.approx(last[0]["peak_bytes"], rel=1e-9)
+    assert allocator["r0 measured"] * unit == pytest.approx(
+        last[0]["process_peak_bytes"] - last[0]["peak_bytes"], rel=1e-9)
+    fit = ddpkit.fits(lab.config(), last[0]["peak_bytes"])  # a byte budget: this device's memory
+    assert allocator["r0 predicted"] * unit == pytest.approx(
+        fit.allowance.of(bars["r0 predicted"] * unit), rel=1e-6)
+    assert html.escape(str(fit.allowance)) in panel.table.value
 
 
 @pytest.mark.parametrize("extra", [dict(checkpoint=2), dict(checkpoint=[True, False, True, False]),

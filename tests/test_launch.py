@@ -129,6 +129,57 @@ def test_notebook_defined_function_and_class_run_on_every_rank():
     assert returns[0][1] == pytest.approx(returns[1][1])  # DDP averaged the same gradient
 
 
+# a notebook cell: torch imported at its top, the function reads switches of torch.backends
+# (torch's ModuleType subclasses in sys.modules) and a module of the user's own of that kind
+BACKENDS_CELL = """
+import os
+import torch
+import module_subclass
+
+def read_switches(ctx):
+    return (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+            type(torch.backends.cudnn).__name__, type(torch.backends).__name__,
+            module_subclass.doubled, module_subclass.pid, os.getpid())
+"""
+
+
+def cell_function(code, name):
+    """A function as a notebook cell defines it: its module is in no sys.modules entry, so
+    cloudpickle sends it by value, with the modules it reaches."""
+    ns = {"__name__": "__cell__"}
+    exec(compile(code, "<cell>", "exec"), ns)
+    return ns[name]
+
+
+def test_a_cell_function_reading_torch_backends_runs_on_every_rank():
+    import module_subclass
+
+    fn = cell_function(BACKENDS_CELL, "read_switches")
+    res = ddpkit.launch(fn, world_size=2, pool="shared")
+    kernel = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+              "CudnnModule", "GenericModule", 42)
+    for out in res.returns:
+        assert tuple(out[:5]) == kernel  # the modules themselves, by name, subclass and all
+        assert out[5] == out[6] != os.getpid()  # the module's property ran on the rank
+    assert type(module_subclass).__name__ == "_Settings"
+
+
+def test_a_module_subclass_no_rank_can_import_is_named_before_launch():
+    import types
+
+    class Switches(types.ModuleType):
+        pass
+
+    switches = Switches("switches")  # made here, in no sys.modules entry
+
+    def work(ctx):
+        return switches
+
+    with pytest.raises(TypeError, match=r"the function cannot be sent to the ranks: module "
+                                        r"'switches' \(a Switches\).*import it inside the function"):
+        ddpkit.launch(work, world_size=2)
+
+
 def test_unpicklable_argument_is_refused_before_any_process_starts():
     lock = threading.Lock()
     before = len(rank_children())

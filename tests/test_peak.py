@@ -1,14 +1,16 @@
 """The step's peak (issue #18): every live byte at the step's highest moment, measured on real
 2-rank gloo runs and predicted by simulating the rank's own step on fake tensors."""
 import dataclasses
+import math
+import re
 
 import pytest
 
 import ddpkit
+from ddpkit.predict.gpus import CPU_ALLOWANCE
 from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
 from ddpkit.engine.memory import KINDS, PHASES
-from ddpkit.spec.names import FSDP_STRATEGIES
 
 CPU = dict(backend="gloo", device="cpu")
 BASE = dict(model="gpt", n_blocks=3, width=64, seq_len=32, vocab=256, world_size=2,
@@ -24,22 +26,24 @@ def probed(res):
     return [m for m in res.metrics if "peak_bytes" in m]
 
 
-def check_against_prediction(cfg, res, within=0.03):
-    """Every probed step of every rank: the measured peak within ``within`` of the predicted,
-    the same phase, each ledger adding up to its peak."""
+def check_against_prediction(cfg, res, within=0.012):
+    """Every probed step of every rank: the measured peak within ``within`` of the predicted
+    (DDP, ZeRO and FSDP alike: the simulation makes gloo's collective buffers and autograd's
+    in-place sums as the rank does), the same phase, each ledger adding up to its peak."""
     est = ddpkit.estimate(cfg)
     rows = probed(res)
-    # FSDP2 on gloo (fsdp, zero2, hsdp): a reduce-scatter runs asynchronously and may hold its
-    # buffers a moment longer than the simulation's fake group, which returns at once: seen up
-    # to ~7% above on a loaded machine (never below)
-    above = 0.10 if cfg.strategy in FSDP_STRATEGIES else within
     assert {m["step"] for m in rows} == set(range(cfg.steps))  # peak_every=1: every step
     for m in rows:
         assert sum(m["peak_ledger"].values()) == m["peak_bytes"]
         assert set(m["peak_ledger"]) == set(KINDS) and m["peak_phase"] in PHASES
-        p = est.peak(step=min(m["step"], 1), rank=m["rank"])
+        p = est.peak(step=m["step"], rank=m["rank"])
         assert sum(p.ledger.values()) == p.bytes
-        assert -within * m["peak_bytes"] <= m["peak_bytes"] - p.bytes <= above * m["peak_bytes"], (m, p)
+        # FSDP on gloo: gloo's thread may free a collective's buffer after the rank allocated
+        # on, the one thing the prediction says it does not time (its bytes, in .assumed)
+        late = [int(x.group(1).replace(",", "")) for line in p.assumed
+                if (x := re.search(r"up to ([\d,]+) B higher", line))]
+        slack = within * m["peak_bytes"]
+        assert -slack <= m["peak_bytes"] - p.bytes <= slack + sum(late), (m, p)
         assert m["peak_phase"] == p.phase, (m["step"], m["peak_by_phase"], p.by_phase)
     return rows
 
@@ -54,6 +58,40 @@ def check_against_prediction(cfg, res, within=0.03):
 def test_the_measured_peak_is_the_predicted_one(pool, change):
     cfg = ddpkit.TrainConfig(**{**BASE, **change})
     check_against_prediction(cfg, ddpkit.train(cfg, pool=pool))
+
+
+@pytest.mark.parametrize("name, change", [
+    ("gemma2", dict(strategy="fsdp", checkpoint="full")),  # was +4.8%: gloo's buffers, RNG state
+    ("gpt-neox", dict(strategy="fsdp")),                    # was +3.0%
+    ("mamba", dict(checkpoint=2)),                          # was -3.9%: autograd's in-place sums
+    ("mamba", dict(strategy="fsdp")),                       # was -6.2%
+], ids=["gemma2-fsdp-full", "neox-fsdp", "mamba-2seg", "mamba-fsdp"])
+def test_fsdp_and_mamba_peak_as_exactly_as_ddp(pool, name, change):
+    """Issue #41 item 5: tiny transformers models, 2 ranks, AdamW, every step probed: the
+    measured peak is the simulated one within DDP's line (1.2%), the same phase, per kind."""
+    pytest.importorskip("transformers")
+    import families
+
+    cfg = families.config(name, optimizer="adamw", steps=2, peak_every=1, **change)
+    rows = check_against_prediction(cfg, ddpkit.train(cfg, pool=pool))
+    est = ddpkit.estimate(cfg)
+    for m in rows:  # what the peak is made of, kind by kind (a few bytes of the rank's own)
+        got, want = dict(m["peak_ledger"]), dict(est.peak(step=m["step"], rank=m["rank"]).ledger)
+        # a gradient summed in place may be a temporary on the rank where the simulation
+        # names it a gradient (one weight's, in Mamba's checkpointed scan): said as one
+        for d in (got, want):
+            d["gradients"] += d.pop("temporaries")
+        if got["other"] < 0:
+            # the measured ledger itself is off: a block of gloo's thread, freed there as the
+            # main thread reuses its address, read as still live (its total is right)
+            continue
+        # gloo's buffer freed late (said in .assumed, with its bytes) shows as FSDP's buffers
+        p = est.peak(step=m["step"], rank=m["rank"])
+        late = sum(int(x.group(1).replace(",", "")) for line in p.assumed
+                   if (x := re.search(r"up to ([\d,]+) B higher", line)))
+        off = {k: (got[k], want[k]) for k in got if abs(got[k] - want[k]) > 128 and not
+               (k == "fsdp_buffers" and 0 <= got[k] - want[k] <= late)}
+        assert not off, (m["step"], m["rank"], off)
 
 
 def test_a_transformers_model_peaks_where_predicted(pool):
@@ -72,10 +110,12 @@ def test_steps_zero_one_and_steady_differ_as_predicted(pool):
     assert first.phase == second.phase == "backward"
     # step 0 runs its backward before AdamW has made its two moments; after, they are there
     assert second.bytes - first.bytes == second.ledger["optimizer_state"] > 0
-    # step 1: DDP rebuilds its buckets, freeing the first ones before it allocates the new
-    assert second == steady and est.peak() == second
+    # step 1: DDP rebuilds its buckets, freeing the first ones before it allocates the new;
+    # every later step is the steady state too, so a record's own step number is a question
+    assert second == steady == est.peak(step=2) == est.peak(step=3) and est.peak() == second
     for m in rows:
-        want = first if m["step"] == 0 else second
+        want = est.peak(step=m["step"])
+        assert want == (first if m["step"] == 0 else second)
         assert m["peak_bytes"] - want.bytes in range(-64, 65)  # a few scalars of the rank's own
         assert m["peak_ledger"]["optimizer_state"] == want.ledger["optimizer_state"]
 
@@ -105,6 +145,77 @@ def _buckets_job(ctx, plan):
     return probe.peak.ledger["ddp_buckets"], [int(s) for s in str(sizes).split(",")]
 
 
+def test_each_probed_record_holds_the_process_beside_its_tensors(pool):
+    # issue #41: the tensors are exact, the process is not. A probed step's record says how
+    # high the rank's own memory went (CPU: its resident high-water mark), from the same start
+    cfg = ddpkit.TrainConfig(**{**BASE, "micro_batch": 16, "steps": 4, "peak_every": 2})
+    res = ddpkit.train(cfg, pool=pool)
+    assert {m["step"] for m in probed(res)} == {0, 1, 3}
+    for m in res.metrics:
+        assert ("process_peak_bytes" in m) == ("peak_bytes" in m)  # read with the peak
+        # from step 1: at step 0 (the optimizer state made) fresh ranks read 7.3 MB of
+        # resident memory against 9.7 MB of tensors (pages come as they are written, and
+        # Linux counts them per CPU in batches: MBs at this size); bench.peak reads step 2
+        if "peak_bytes" in m and m["step"] >= 1:
+            assert m["process_peak_bytes"] >= m["peak_bytes"], m  # it holds its tensors
+
+
+def test_the_process_reading_is_the_steps_own_high_water_mark():
+    import types
+
+    import torch
+
+    from ddpkit.engine.process import ProcessProbe
+
+    probe, peak = ProcessProbe("cpu"), types.SimpleNamespace(data_bytes=0, reserved_peak=0)
+    with probe.step(peak):
+        block = torch.ones(2**24)  # 64 MiB, written: above glibc's largest mmap threshold,
+        del block                  # so its pages go back to the system when it is freed
+    high = probe.bytes
+    with probe.step(peak):  # the mark starts again at each step: the block is gone
+        pass
+    assert high - probe.bytes >= 60 * 2**20, (high, probe.bytes)
+
+
+def _mapped_on_its_own(ctx):
+    """Bytes glibc serves with mappings of their own, grown by a 1 MiB block allocated after
+    another was freed: 0 where freeing the first raised glibc's mmap threshold above 1 MiB (its
+    dynamic default), the block's own mapping where the threshold is fixed below it."""
+    import ctypes
+
+    import torch
+
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                                                   "hblkhd", "usmblks", "fsmblks", "uordblks",
+                                                   "fordblks", "keepcost")]
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = Info
+    first = torch.ones(2**18)
+    del first
+    before = mallinfo2().hblkhd
+    second = torch.ones(2**18)
+    return mallinfo2().hblkhd - before, second.numel()
+
+
+def test_cpu_ranks_fix_glibcs_mmap_threshold_unless_told_not_to(monkeypatch):
+    # issue #41: with glibc's dynamic threshold a CPU rank's resident memory peaked at up to
+    # 3.26x its tensors'; fixed at 128 KiB, 1.05x (bench/results.md). CPU ranks fix it
+    monkeypatch.delenv("DDPKIT_MMAP_THRESHOLD", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    fixed = ddpkit.launch(_mapped_on_its_own, world_size=2, pool="shared", backend="gloo",
+                          device="cpu").returns
+    assert all(grown >= 2**20 for grown, _ in fixed), fixed
+    monkeypatch.setenv("DDPKIT_MMAP_THRESHOLD", "dynamic")  # glibc's own: warm ranks replaced
+    dynamic = ddpkit.launch(_mapped_on_its_own, world_size=2, pool="shared", backend="gloo",
+                            device="cpu").returns
+    assert all(grown == 0 for grown, _ in dynamic), dynamic
+    monkeypatch.setenv("DDPKIT_MMAP_THRESHOLD", "lots")
+    with pytest.raises(ValueError, match=r"DDPKIT_MMAP_THRESHOLD='lots' is not a threshold: set "
+                                         r"it to a number of bytes .* or to 'dynamic'"):
+        ddpkit.launch(_mapped_on_its_own, world_size=2, pool="shared")
+
+
 def test_bucket_bytes_are_what_ddp_allocated(pool):
     # 8 MiB of parameters: DDP's 1 MiB first bucket, then the rest
     cfg = ddpkit.TrainConfig(model="mlp", n_blocks=4, width=256, micro_batch=2, world_size=2,
@@ -122,7 +233,7 @@ def test_a_peak_in_the_optimizer_step_is_not_planned_with_checkpointing():
                              optimizer="adamw", world_size=2, **CPU)
     peak = ddpkit.estimate(cfg).peak()
     assert peak.phase == "optimizer"
-    p = ddpkit.plan(cfg, peak.bytes - 1)
+    p = ddpkit.plan(cfg, peak.bytes - 1, allowance=0)  # tensors only: the simulation's edge
     assert not p.fits and "checkpointing cannot lower" in p.reason
     changes = {a["change"].split(" ")[0]: a for a in p.alternatives}
     assert {"gradient_as_bucket_view=True", "strategy='ddp_zero1'", "strategy='fsdp'"} <= set(changes)
@@ -138,7 +249,7 @@ def test_the_plan_takes_the_cheapest_frontier_choice_whose_peak_fits():
     cfg = ddpkit.TrainConfig(**{**BASE, "micro_batch": 16, "n_blocks": 4})
     none = ddpkit.estimate(cfg).peak()
     assert none.phase == "backward"
-    p = ddpkit.plan(cfg, none.bytes - 1)
+    p = ddpkit.plan(cfg, none.bytes - 1, allowance=0)
     assert p.fits and p.choice.peak.bytes <= p.budget and p.checkpoint is not None
     assert p.choice.peak == ddpkit.estimate(p.apply()).peak()
     cheaper = [c for c in p.frontier if c.flops < p.choice.flops]
@@ -146,14 +257,37 @@ def test_the_plan_takes_the_cheapest_frontier_choice_whose_peak_fits():
                            > p.budget for c in cheaper)
 
 
+def test_fits_and_plan_set_the_allocators_allowance_beside_the_peak(monkeypatch):
+    # issue #41: a CPU rank's resident memory is more than its tensors (glibc's heap); a byte
+    # budget is the memory of the device the ranks run on, so that share is budgeted, measured
+    cfg = ddpkit.TrainConfig(model="mlp", n_blocks=2, width=32, world_size=2, **CPU)
+    peak = ddpkit.estimate(cfg).peak().bytes
+    monkeypatch.delenv("DDPKIT_MMAP_THRESHOLD", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    fit = ddpkit.fits(cfg, peak)
+    share = CPU_ALLOWANCE["fixed"]  # CPU ranks fix glibc's mmap threshold (rank/heap.py)
+    assert fit.allowance.fraction == share > 0
+    assert not fit and fit.needed == peak + math.ceil(share * peak)  # the tensors alone: no
+    assert f"+{100 * share:.0f}% for glibc's heap" in repr(fit) and "bench/results.md" in repr(fit)
+    assert ddpkit.fits(cfg, fit.needed) and not ddpkit.fits(cfg, fit.needed - 1)
+    p = ddpkit.plan(cfg, fit.needed)
+    assert p.fits and p.budget == peak and p.memory == fit.needed
+    assert f"+{100 * share:.0f}%" in repr(p)
+    # ranks left with glibc's dynamic threshold hold far more beside their tensors
+    monkeypatch.setenv("DDPKIT_MMAP_THRESHOLD", "dynamic")
+    assert ddpkit.fits(cfg, peak).allowance.fraction == CPU_ALLOWANCE["dynamic"] > share
+    # a card by name: its usable bytes have the caching allocator's reserve taken off already
+    assert ddpkit.fits(cfg, "H100").allowed == 0 and "reserve" in repr(ddpkit.fits(cfg, "H100"))
+
+
 def test_fits_and_the_largest_micro_batch_use_the_peak():
     cfg = ddpkit.TrainConfig(**BASE)
     est = ddpkit.estimate(cfg)
     peak = est.peak()
     assert peak.bytes > est.total  # the sum of parts misses DDP's buckets and temporaries
-    assert est.fits(peak.bytes) and not est.fits(peak.bytes - 1)
+    assert est.fits(peak.bytes, allowance=0) and not est.fits(peak.bytes - 1, allowance=0)
     budget = 3 * peak.bytes
-    big = est.largest_micro_batch(budget)
+    big = est.largest_micro_batch(budget, allowance=0)
     assert big > cfg.micro_batch
     assert ddpkit.estimate(cfg.replace(micro_batch=big)).peak().bytes <= budget
     assert ddpkit.estimate(cfg.replace(micro_batch=big + 1)).peak().bytes > budget
@@ -166,8 +300,12 @@ def test_fits_accepts_the_common_spellings_of_a_card(name):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda e: e.peak(step=5), r"peak\(step=5\): pass 0 .* 1 or 'steady'"),
+    (lambda e: e.peak(step=-1), r"peak\(step=-1\): pass 0 .* a step number from 1 on or "
+                                r"'steady'"),
+    (lambda e: e.peak(step=1.5), r"peak\(step=1.5\): pass 0"),
+    (lambda e: e.peak(step=True), r"peak\(step=True\): pass 0"),
     (lambda e: e.peak(rank=2), r"peak\(rank=2\): pass a rank in 0..1 or None"),
+    (lambda e: e.fits("T4", allowance=-0.1), r"allowance=-0.1: pass a fraction of the peak >= 0"),
     (lambda e: e.fits("A100"), r"gpu='A100' is not a card ddpkit knows \(it came with 40GB "
                                r"and 80GB: name one\)"),
 ])
@@ -192,7 +330,7 @@ def test_plain_ddp_ranks_simulate_alike_so_one_simulation_serves_all():
     cfg = ddpkit.TrainConfig(**{**BASE, "accum_steps": 2, "checkpoint": "full"})
     r0, r1 = simulate(cfg, 0), simulate(cfg, 1)
     assert [dataclasses.astuple(p) for p in r0.peaks] == [dataclasses.astuple(p) for p in r1.peaks]
-    assert r0.loads == r1.loads and r0.segments == r1.segments
+    assert r0.loads == r1.loads and len(r0.stream) == len(r1.stream)
     assert simulated(cfg, 1).rank == 1 and simulated(cfg, 1).peaks == r0.peaks
     zero = cfg.replace(strategy="ddp_zero1")  # each rank holds its own shard's state
     assert simulated(zero, 0).peaks != simulated(zero, 1).peaks

@@ -233,7 +233,7 @@ FORKSERVER = textwrap.dedent("""
     os.environ["DDPKIT_START_METHOD"] = "forkserver"
     import ddpkit
     cfg = ddpkit.TrainConfig(**json.loads(sys.argv[1]))
-    for pool in (False, None):  # a launch of its own, then the shared pool
+    for pool in ("fresh", "shared"):  # a launch of its own, then the shared pool
         res = ddpkit.train(cfg, pool=pool)
         print("LOSSES", json.dumps(sorted((m["rank"], m["step"], m["loss"]) for m in res.metrics)))
     # the server started above; what the kernel sets now (its environment, sys.path, working

@@ -103,3 +103,76 @@ def test_a_named_device_reports_mfu_and_a_network_slows_a_multi_node_step():
     assert slow.comm_s > fast.comm_s
     with pytest.raises(ValueError, match="not a device ddpkit knows"):
         step_time(cfg, device="Z80")
+
+
+def test_a_collective_that_holds_the_core_delays_compute_by_its_own_work_not_the_links():
+    """CPU ranks that fill the cores: gloo's copies and sums run on the core the rank computes
+    on (``comm_cpu_share=1``): the backward waits while each bucket's all-reduce runs, and the
+    wait is booked as exposed communication; a simulated link's extra time is a wait on the
+    wire, not work, and holds no core."""
+    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=64, seq_len=16, micro_batch=2,
+                             world_size=2, bucket_cap_mb=0.01)
+    free, held = (step_time(cfg, machine=machine(comm_share=s)) for s in (0.0, 1.0))
+    assert held.seconds > free.seconds
+    compute = [k for k in LEDGER if k != "exposed_comm"]
+    assert sum(held.ledger[k] for k in compute) == pytest.approx(
+        sum(free.ledger[k] for k in compute), rel=1e-9)  # the delay is communication's
+    assert held.seconds == pytest.approx(sum(held.ledger.values()), rel=1e-9)
+    # every bucket's own seconds are taken from compute: the step is the compute plus them
+    # (the last bucket's, which nothing hides, at most once)
+    assert held.seconds >= sum(free.ledger[k] for k in compute) + 0.99 * held.comm_s
+    slow = cfg.replace(link_gbps=0.01)
+    wire_free, wire_held = (step_time(slow, machine=machine(comm_share=s)) for s in (0.0, 1.0))
+    own = held.seconds - free.seconds  # what holding the core costs without the wire
+    assert wire_held.seconds - wire_free.seconds <= own * 1.01
+
+
+def test_calibration_fits_the_share_and_the_per_byte_cost_it_is_shown():
+    """`calibrate.fit_share` recovers the share of a core that reproduces reference steps'
+    wall times, and `fit_costs` the per-byte cost that reproduces their ops' in-step seconds."""
+    from ddpkit.predict import calibrate, replay
+
+    cfgs = [ddpkit.TrainConfig(model=m, n_blocks=2, width=w, micro_batch=4, world_size=2)
+            for m, w in (("mlp", 256), ("gpt", 32))]
+    streams_ = [simulate(cfg, 0).stream for cfg in cfgs]
+    truth = machine(comm_share=0.6)
+    refs = [(s, {"wall": play(s, truth, ranks=2)[0]}) for s in streams_]
+    guess = machine(comm_share=0.0)
+    assert calibrate.fit_share(guess, refs, ranks=2) == pytest.approx(0.6)
+
+    alone, per_byte = 1e-6, 2e-10
+    m = machine()
+    refs = []
+    for stream in streams_:
+        ops = [e for e in stream if isinstance(e, Op) and e.kind != "collective"
+               and e.phase in calibrate.PHASES and e.recipe is not None]
+        inside = {}
+        for op in ops:
+            m.replayed[replay.key(op.recipe)] = alone
+            key = f"{op.phase}/{op.name}"
+            inside[key] = inside.get(key, 0.0) + alone + per_byte * op.bytes
+        phases = {p: sum(t for k, t in inside.items() if k.startswith(p + "/"))
+                  for p in calibrate.PHASES}
+        refs.append((stream, {**phases, "ops": inside, "step": sum(phases.values())}))
+    _, _, fitted, _ = calibrate.fit_costs(m, refs)
+    assert fitted and all(v == pytest.approx(per_byte, rel=1e-6) for v in fitted.values())
+
+
+def test_a_composed_models_step_time_plays_a_simulated_stream(monkeypatch):
+    """A large model's bytes are composed from per-block pieces (no op stream); its step time
+    plays the stream of the model cut to 3 and 4 blocks, extended (a setting alike on every
+    block), or of the whole model: the same time as without composing."""
+    from ddpkit.predict import peak, scale
+
+    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=9, width=32, seq_len=8, micro_batch=2,
+                             world_size=2)
+    values = (None, [i % 2 == 0 for i in range(9)])
+    whole = {i: step_time(cfg.replace(checkpoint=v), machine=machine()).seconds
+             for i, v in enumerate(values)}
+    monkeypatch.setattr(peak, "SCALE_ABOVE", 0)  # every model composed
+    monkeypatch.setattr(scale, "SCALE_ABOVE", 0)
+    monkeypatch.setattr(peak, "_MEMO", {})  # and none of the whole ones remembered
+    for i, v in enumerate(values):
+        c = cfg.replace(checkpoint=v)
+        assert peak.simulated(c, 0).how == "composed" and peak.simulated(c, 0).stream is None
+        assert step_time(c, machine=machine()).seconds == pytest.approx(whole[i], rel=2e-3)

@@ -1,7 +1,9 @@
 """Sharding, compression hooks, precision: real 2-rank gloo runs (issue #6)."""
 import pytest
+import torch
 
 import ddpkit
+from ddpkit.engine.strategies import BucketsInOrder
 from ddpkit.runtime.pool import shared_pool
 from ddpkit.predict.estimate import estimate
 
@@ -163,3 +165,45 @@ def test_hsdp_jobs_in_a_warm_pool_reuse_their_process_groups(pool):
     first = runs[0][0]
     assert first[1] - first[0] in (0, 2), runs  # made now (shard, replicate), or by a job before
     assert all(after == first[1] for run in runs for _, after in run), runs
+
+
+class _Bucket:
+    """What `BucketsInOrder` reads of DDP's GradBucket: its index and its buffer."""
+
+    def __init__(self, index):
+        self._index, self._buffer = index, torch.full((2,), float(index))
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+
+def test_powersgd_buckets_take_turns_and_an_error_reaches_every_later_bucket():
+    # gloo matches collectives by the order each rank issues them; PowerSGD issues its P and Q
+    # all-reduces from callbacks: a bucket's hook may start only once the one before it is done
+    started, futures = [], {}
+
+    def hook(state, bucket):
+        started.append(bucket.index())
+        futures[bucket.index()] = torch.futures.Future()
+        return futures[bucket.index()]
+
+    ordered = BucketsInOrder(hook)
+    out = [ordered(None, _Bucket(i)) for i in range(3)]
+    assert started == [0]  # buckets 1 and 2 wait
+    futures[0].set_result(torch.zeros(2))
+    assert started == [0, 1] and not out[1].done()
+    futures[1].set_result(torch.ones(2))
+    assert started == [0, 1, 2] and out[1].wait().tolist() == [1.0, 1.0]
+    futures[2].set_exception(RuntimeError("Connection reset by peer"))
+    with pytest.raises(RuntimeError, match="reset by peer"):
+        out[2].wait()
+    # the next backward starts again at bucket 0, and a failure there fails the rest, unrun
+    started.clear()
+    out = [ordered(None, _Bucket(i)) for i in range(2)]
+    futures[0].set_exception(RuntimeError("gloo timeout"))
+    with pytest.raises(RuntimeError, match="gloo timeout"):
+        out[1].wait()
+    assert started == [0]

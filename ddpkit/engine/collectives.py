@@ -107,6 +107,17 @@ class CollectiveCounter:
         if CollectiveCounter._active is self:
             CollectiveCounter._active = None
 
+    @classmethod
+    def note_allreduce(cls, nbytes, n):
+        """Count an all-reduce of ``nbytes`` over ``n`` ranks issued below the Autograd key
+        (where the kernel here does not see it: `probes.AllReduce`), into the active counter."""
+        counter = cls._active
+        if counter is not None:
+            with counter._lock:
+                counter.calls += 1
+                counter.by_op["allreduce"] += round(nbytes * _RULES["ar"](n))
+                counter.payload["allreduce"] += nbytes
+
     def _count(self, name, args):
         kind, arg, rule = _OPS[name]
         n = _group_size(args[_GROUP_ARG[name]])

@@ -11,10 +11,12 @@ frees the gradients). The schedules, each with its reason:
   bytes by the model and the optimizer: they are read at the first step, at the step a mid-run
   change lands and every ``peak_every`` steps, and carried between (the activation probe's hook
   on every saved tensor costs ~0.3 ms a micro-batch on a CPU rank);
-* the step's peak (`memory.PeakProbe`): on CPU its profiler window doubles the step it
-  measures, so steps 0 (the optimizer state is made) and 1 (DDP rebuilds its buckets), every
-  ``peak_every`` steps after, and the step a change lands (CUDA's counter is free: every
-  step); the activation probe reads on those steps too (the peak's ledger names what it saved);
+* the step's peak (`memory.PeakProbe`), and the process's beside it (`process.ProcessProbe`:
+  ``process_peak_bytes``, the resident high-water mark on CPU, reserved on CUDA): on CPU its
+  profiler window lengthens the step it reads by about a third, so steps 0 (the optimizer
+  state is made) and 1 (DDP rebuilds its buckets), every ``peak_every`` steps after, and the
+  step a change lands (CUDA's counter is free: every step); the activation probe reads on
+  those steps too (the peak's ledger names what it saved);
 * all-reduce calls and bytes (DDP's comm hook), every collective of the step
   (`collectives.CollectiveCounter`: ``comm_bytes``, ``comm_by_op``, ``comm_calls``), and the
   step's time: every step;
@@ -29,6 +31,7 @@ import os
 
 from .collectives import CollectiveCounter
 from .memory import PeakProbe, cuda_history
+from .process import ProcessProbe
 from .probes import ActivationProbe, StepTimer, state_bytes
 
 STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
@@ -42,6 +45,7 @@ class Measure:
     def __init__(self, plan, device, rank=0):
         probes = plan.probes
         self.peak = PeakProbe(device) if "peak" in probes else None  # first: it counts after
+        self.process = ProcessProbe(device) if self.peak else None
         self.acts = ActivationProbe() if "activations" in probes else None
         self.timer = StepTimer(device)
         self.collectives = CollectiveCounter() if "comm" in probes else None
@@ -90,9 +94,11 @@ class Measure:
             acts.new_step(policy)
         peak = self.peak.step(model, optimizer, self.comm.bucket_buffers if self.comm else None,
                               acts) if self._peak else contextlib.nullcontext()
+        # inside the peak probe's window: read before it reads its events
+        process = self.process.step(self.peak) if self._peak else contextlib.nullcontext()
         tl = self.timeline.step(step, model, optimizer, policy) if self.timeline \
             else contextlib.nullcontext()
-        with self.timer.time(), peak, self._history(step), tl, self._collectives():
+        with self.timer.time(), peak, process, self._history(step), tl, self._collectives():
             yield acts
 
     @contextlib.contextmanager
@@ -128,6 +134,8 @@ class Measure:
             out.update(peak_bytes=p.bytes, peak_phase=p.phase, peak_ledger=p.ledger,
                        peak_by_phase=p.by_phase, peak_base=p.base,
                        data_bytes=self.peak.data_bytes)
+            if self.process.bytes is not None:
+                out["process_peak_bytes"] = self.process.bytes
         if self.comm is not None:
             out.update(allreduce_calls=self.comm.calls, allreduce_bytes=self.comm.bytes)
         if self.collectives is not None:

@@ -13,10 +13,11 @@ on a rank) and a prediction (`ddpkit.predict.simulate`, a simulated step under F
   the CPU allocator's reporter keep every live block's size and a running total; ddpkit turns
   it on before the model is built, so the total covers every byte the run allocates:
   parameters, DDP's buckets (allocated in DDP's constructor), optimizer state, activations,
-  temporaries. A probed step runs inside a CPU profiler window with ``profile_memory=True``;
-  each allocator event there carries that running total, its address and the enclosing
-  ``ddpkit:<phase>`` range (`train_step` marks its phases), so the peak is the highest total
-  of the window, with its phase. The count costs about 2.5 us an allocation, so it is on only
+  temporaries. A probed step runs inside a CPU profiler window that records the allocator's
+  events and the user's ranges, not the ops (`allocations.window`); each allocator event
+  there carries that running total, its address and the enclosing ``ddpkit:<phase>`` range
+  (`train_step` marks its phases), so the peak is the highest total of the window, with its
+  phase. The count costs about 2.5 us an allocation, so it is on only
   until the second probed step (steps 0 and 1); the bytes live when that window opened, a step
   boundary, are kept, and each later probe counts its own window on top of them (`PeakProbe`).
   Without the count the profiler sees no frees of blocks allocated before its window and no
@@ -42,12 +43,11 @@ buffers). Prediction and measurement classify with this same function.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import glob
-import os
 from dataclasses import dataclass, field
 
 import torch
+
+from .allocations import allocation_events, cpu_accounting, cpu_allocated, window
 
 KINDS = ("parameters", "gradients", "optimizer_state", "ddp_buckets", "fsdp_buffers",
          "activations", "temporaries", "other")
@@ -73,6 +73,9 @@ class Peak:
     base: int = 0
     """Bytes live when the step began (a step boundary: parameters, optimizer state, DDP's
     buckets); the step's own rise is ``bytes - base``."""
+    assumed: tuple = ()
+    """A prediction's: what sized each data-dependent op (the batch's values, the routing
+    assumed, an upper bound), one line each (`ddpkit.predict.datadep`); empty for none."""
 
     def __post_init__(self):
         self.ledger = {k: int(self.ledger.get(k, 0)) for k in KINDS}
@@ -85,7 +88,9 @@ class Peak:
 
     def __repr__(self):
         parts = ", ".join(f"{k} {_fmt(v)}" for k, v in self.ledger.items() if v)
-        return f"Peak({_fmt(self.bytes)} in the {self.phase}: {parts})"
+        said = f"; {self.assumed[0]}{' (and more: .assumed)' if self.assumed[1:] else ''}" \
+            if self.assumed else ""
+        return f"Peak({_fmt(self.bytes)} in the {self.phase}: {parts}{said})"
 
 
 def _fmt(n):
@@ -191,71 +196,6 @@ def summarize(events, totals, base, census, seen):
                 {p: by_phase[p] for p in PHASES if p in by_phase}, base=base)
 
 
-# ----------------------------------------------------------------------------- CPU accounting
-_FLAG = []  # [the c_bool of libc10's flag], once found
-
-
-def cpu_accounting(on=True):
-    """Switch c10's count of every live CPU allocation on or off
-    (``FLAGS_caffe2_report_cpu_memory_usage``, a flag of libc10 read on every allocation and
-    free: a mutex and a hash map, about 2.5 us an allocation). True when the flag was found."""
-    if not _FLAG:
-        _FLAG.append(None)
-        lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-        for path in sorted(glob.glob(os.path.join(lib_dir, "*c10.*"))):
-            try:  # the library torch loaded already: dlopen returns the same handle
-                _FLAG[0] = ctypes.c_bool.in_dll(ctypes.CDLL(path),
-                                                "FLAGS_caffe2_report_cpu_memory_usage")
-                break
-            except (OSError, ValueError):
-                continue
-    if _FLAG[0] is None:
-        return False
-    _FLAG[0].value = on
-    return True
-
-
-def _profile():
-    from torch.profiler import ProfilerActivity, profile
-
-    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-
-
-def _allocations(prof):
-    """The window's CPU allocator events in time order: (time, size, address, running total,
-    phase, inside FSDP's collectives), and the end time of each ``ddpkit:forward`` range."""
-    alloc = torch._C._profiler._ExtraFields_Allocation
-    out, forward_ends = [], []
-    stack = [(n, None, False) for n in prof.profiler.kineto_results.experimental_event_tree()]
-    while stack:
-        node, phase, fsdp = stack.pop()
-        name = node.name
-        if name.startswith("ddpkit:"):
-            phase = name[len("ddpkit:"):]
-            if phase == "forward":
-                forward_ends.append(node.end_time_ns)
-        elif name.startswith(("FSDP::all_gather", "FSDP::post_backward_reduce")):
-            fsdp = True
-        ef = node.extra_fields
-        if isinstance(ef, alloc) and ef.device.type == "cpu":
-            out.append((node.start_time_ns, ef.alloc_size, ef.ptr, ef.total_allocated, phase, fsdp))
-        stack.extend((c, phase, fsdp) for c in node.children)
-    out.sort(key=lambda e: e[0])  # stable: a parent's events before its children's
-    return out, sorted(forward_ends)
-
-
-def cpu_allocated():
-    """Bytes the CPU allocator holds now, by c10's count (0 when it has none): read from a
-    one-allocation profiler window (~1 ms; the first window in a process takes ~1.5 s). Exact
-    while the count has been on since those bytes were allocated (see `PeakProbe`)."""
-    if not _FLAG or _FLAG[0] is None or not _FLAG[0].value:
-        return 0
-    with _profile() as prof:
-        torch.empty(1, dtype=torch.uint8)
-    events, _ = _allocations(prof)
-    return events[0][3] - events[0][1] if events else 0
-
-
 # ----------------------------------------------------------------------------- the probe
 def storages(tensors, by="address"):
     """{key: bytes} of the tensors' storages (a DTensor's local shard); the key is the data
@@ -303,7 +243,7 @@ class PeakProbe:
         self.peak = None
         self.boundary = None  # CPU: bytes live at a step boundary, once the exact windows are done
         self._exact = self.EXACT_WINDOWS
-        self._by_phase = {}
+        self._by_phase, self.reserved_peak = {}, 0
 
     def leave_out(self, nbytes):
         """Leave ``nbytes`` (allocated since the probe was made) out of every reading."""
@@ -326,9 +266,9 @@ class PeakProbe:
             yield
             self.leave_out(self.allocated() - before)
             return
-        with _profile() as prof:
+        with window() as prof:
             yield
-        self.leave_out(sum(e[1] for e in _allocations(prof)[0]))
+        self.leave_out(sum(e[1] for e in allocation_events(prof)[0]))
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -340,6 +280,7 @@ class PeakProbe:
         yield
         self._by_phase[name] = max(self._by_phase.get(name, 0),
                                    torch.cuda.max_memory_allocated() - self.excluded)
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
 
     @contextlib.contextmanager
@@ -351,7 +292,7 @@ class PeakProbe:
         states = storages(optimizer_tensors(optimizer))
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-            self._by_phase = {}
+            self._by_phase, self.reserved_peak = {}, 0  # (the process probe's, by phase too)
             yield self
             self.peak = self._cuda_peak(model, optimizer, buckets, activations)
             return
@@ -359,12 +300,12 @@ class PeakProbe:
         if armed:
             cpu_accounting(True)
         try:
-            with _profile() as prof:
+            with window() as prof:
                 yield self
         finally:
             if armed or self._exact == 1:
                 cpu_accounting(False)
-        events, forward_ends = _allocations(prof)
+        events, forward_ends = allocation_events(prof)
         census = {"parameters": params, "gradients": grads, "optimizer_state": states}
         if not events:
             self.peak = None

@@ -8,7 +8,8 @@ replicated across them; MiCS).
 
 Gradient compression (DDP): ``comm_hook="fp16"``/``"bf16"`` (torch's cast hooks) or
 ``"powersgd"`` (torch's ``powerSGD_hook`` with ``PowerSGDState``: rank ``powersgd_rank``, error
-feedback on, compressing from iteration ``powersgd_start_iter``).
+feedback on, compressing from iteration ``powersgd_start_iter``; on gloo its buckets take turns,
+`BucketsInOrder`).
 
 `wrap(plan, model, ctx)` returns ``(wrapped, optimizer, comm_counter)``. Everything else in the
 engine treats the wrapped model alike; `step.train_step` skips gradient sync on accumulation
@@ -27,8 +28,9 @@ from .probes import CommCounter
 _COMPRESS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
 
-def _compression(plan):
-    """(the hook to run instead of the plain all-reduce, its bytes per element or None)."""
+def _compression(plan, device=None):
+    """(the hook to run instead of the plain all-reduce, its bytes per element or None).
+    ``device``: the ranks' device, where PowerSGD's collectives must be put in order on gloo."""
     if plan.comm_hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -37,9 +39,71 @@ def _compression(plan):
                                    matrix_approximation_rank=plan.powersgd_rank or 1,
                                    start_powerSGD_iter=plan.powersgd_start_iter,
                                    use_error_feedback=True, warm_start=True)
-        return (lambda _, bucket: psgd.powerSGD_hook(state, bucket)), None
+        hook = lambda _, bucket: psgd.powerSGD_hook(state, bucket)  # noqa: E731
+        return (BucketsInOrder(hook) if device is not None and on_gloo(device) else hook), None
     hook = _COMPRESS.get(plan.comm_hook)
     return hook, (2 if hook is not None else None)
+
+
+def on_gloo(device):
+    """Does the job's group carry ``device``'s tensors over gloo (CPU ranks, or CUDA ranks
+    sharing GPUs)? False where there is no group or a fake one (the estimate's)."""
+    import torch.distributed as dist
+
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device(device))
+    except (AttributeError, RuntimeError):
+        return False
+    return isinstance(backend, getattr(dist, "ProcessGroupGloo", ()))
+
+
+class BucketsInOrder:
+    """A comm hook run for one bucket after another, each bucket's collectives issued only once
+    the previous bucket's hook has finished: what PowerSGD needs on gloo.
+
+    gloo matches collectives across ranks by the order each rank issues them (a tag counted up
+    per collective, ``ProcessGroupGloo::nextTag``: "Collectives are kicked off in identical
+    order across processes"). torch's ``powerSGD_hook`` issues a bucket's first all-reduce when
+    DDP calls it (the backward's thread), and its P and Q all-reduces in ``Future.then``
+    callbacks, which gloo runs on its worker threads when the previous all-reduce completes. With
+    one bucket the order is fixed; with two or more (DDP's first bucket holds 1 MiB after step 1,
+    so an mlp of width 128 has two), bucket 1's first all-reduce races bucket 0's P on each rank,
+    and the ranks disagree: gloo aborts the process ("op.preamble.length <= op.nbytes ...
+    Is there a distributed collective mismatch") or both wait forever. On NCCL the futures are
+    complete when the collective is queued, so the callbacks run at once, in order, on DDP's
+    thread: there torch's hook runs as it is (`on_gloo`). DDP calls the hook for buckets 0, 1, ...
+    in index order every backward (its reducer launches them in sequence)."""
+
+    def __init__(self, hook):
+        self.hook, self.last = hook, None
+
+    def __call__(self, state, bucket):
+        prev = None if bucket.index() == 0 else self.last
+        if prev is None:
+            fut = self.hook(state, bucket)
+        else:
+            device = bucket.buffer().device
+            fut = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+            prev.then(self._launch(state, bucket, fut))
+        self.last = fut
+        return fut
+
+    def _launch(self, state, bucket, out):
+        """The callback that runs the hook on ``bucket`` once the previous bucket is done (on
+        gloo's thread), and hands its result, or any error on the way, to ``out``."""
+        def finish(f):
+            try:
+                out.set_result(f.value())
+            except Exception as exc:  # the collective's own error, for DDP to raise
+                out.set_exception(exc)
+
+        def launch(prev):
+            try:
+                prev.value()  # a failed previous bucket fails this one too, never hangs it
+                self.hook(state, bucket).then(finish)
+            except Exception as exc:
+                out.set_exception(exc)
+        return launch
 
 
 def optimizer_class(plan):
@@ -95,7 +159,7 @@ def wrap(plan, model, ctx, count_comm=True, mesh=None, precision=None, watch=Non
               bucket_cap_mb=plan.bucket_cap_mb)
     comm = None
     if count_comm or plan.comm_hook or watch is not None:  # one comm hook: DDP takes only one
-        comm = CommCounter(*_compression(plan), watch=watch).install(ddp)
+        comm = CommCounter(*_compression(plan, ctx.device), watch=watch).install(ddp)
     if plan.strategy == "ddp_zero1" or plan.optimizer == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -1,5 +1,8 @@
 """The Lab's peak panel, beside the memory plot: each rank's last probed peak, measured beside
-predicted with the error in %, and one stacked bar of what each is made of (the ledger).
+predicted with the error in %, and one stacked bar of what each is made of (the ledger), topped
+by the allocator's share: measured, the process's peak less the tensors' (``process_peak_bytes -
+peak_bytes``: glibc's heap or CUDA's cached segments, and what lives outside tensors);
+predicted, the allowance `fits` and `plan` budget for it (`gpus.allocator_allowance`).
 
 Predictions come from `ddpkit.predict.peak` (the rank's step simulated on fake tensors), one per
 (checkpoint setting, accumulation steps, step 0 or steady, rank) a record asks for, worked out on
@@ -15,11 +18,19 @@ from ..engine.memory import KINDS
 from .background import Pace
 from .fit import figure
 from ..predict.estimate import estimate
+from ..predict.gpus import allocator_allowance
 from ..predict.units import byte_unit, fmt_bytes
 
 KIND_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#e45756",
                "ddp_buckets": "#72b7b2", "fsdp_buffers": "#54a24b", "activations": "#eeca3b",
                "temporaries": "#b279a2", "other": "#bab0ac"}
+ALLOCATOR, ALLOCATOR_COLOR = "allocator", "#d8d8d8"  # beyond the tensors: drawn last, grey
+
+
+def allocator_share(rec):
+    """The bytes a record's process held at its peak beyond the tensors' (0 if it says none)."""
+    return max(rec.get("process_peak_bytes", 0) - rec["peak_bytes"], 0) \
+        if "process_peak_bytes" in rec else 0
 
 
 def _key(rec):
@@ -91,24 +102,34 @@ class PeakPanel:
         return True
 
     def _draw(self, pairs):
-        bars = [(f"r{rec['rank']} measured", rec["peak_ledger"]) for rec, _ in pairs]
+        bars = [(f"r{rec['rank']} measured",
+                 {**rec["peak_ledger"], ALLOCATOR: allocator_share(rec)}) for rec, _ in pairs]
         done = [(rec, p) for rec, p in pairs if p is not None and not isinstance(p, Exception)]
+        allowance = _allowance(self.cfg)
         if done:
-            bars.append((f"r{done[0][0]['rank']} predicted", done[0][1].ledger))
+            p = done[0][1]
+            bars.append((f"r{done[0][0]['rank']} predicted",
+                         {**p.ledger, ALLOCATOR: allowance.of(p.bytes) if allowance else 0}))
         unit, size = byte_unit(max((sum(ledger.values()) for _, ledger in bars), default=1))
         names = [name for name, _ in bars]
         with self.figure.batch_update():
             self.figure.data = []
-            for kind in KINDS:
+            for kind in (*KINDS, ALLOCATOR):
                 xs = [ledger.get(kind, 0) / size for _, ledger in bars]
                 if any(xs):
                     self.figure.add_bar(y=names, x=xs, name=kind.replace("_", " "),
-                                        orientation="h", marker_color=KIND_COLORS[kind])
+                                        orientation="h",
+                                        marker_color=KIND_COLORS.get(kind, ALLOCATOR_COLOR))
             self.figure.layout.xaxis.title.text = unit
-        self.table.value = _table(pairs)
+        self.table.value = _table(pairs, allowance)
 
 
-def _table(pairs):
+def _allowance(cfg):
+    """The allocator's allowance `fits` takes for ``cfg`` on its own device's memory."""
+    return None if cfg is None else allocator_allowance(cfg)
+
+
+def _table(pairs, allowance=None):
     rows = []
     for rec, p in pairs:
         measured = f"{fmt_bytes(rec['peak_bytes'])} in the {rec['peak_phase']}"
@@ -119,9 +140,17 @@ def _table(pairs):
         else:
             predicted = f"{fmt_bytes(p.bytes)} in the {p.phase}"
             err = f"{100 * (p.bytes - rec['peak_bytes']) / rec['peak_bytes']:+.2f}%"
+        process = "" if "process_peak_bytes" not in rec else (
+            f"{fmt_bytes(rec['process_peak_bytes'])} (allocator "
+            f"{fmt_bytes(allocator_share(rec))}, "
+            f"{rec['process_peak_bytes'] / rec['peak_bytes']:.2f}x)")
         rows.append(f"<tr><td>rank {rec['rank']}, step {rec['step']}</td><td>{measured}</td>"
-                    f"<td>{predicted}</td><td>{err}</td></tr>")
+                    f"<td>{predicted}</td><td>{err}</td><td>{process}</td></tr>")
+    allowed = html.escape(str(allowance)) if allowance else "not known"
     head = ("<tr><th>last probe</th><th>peak, measured</th><th>predicted</th>"
-            "<th>error</th></tr>")
+            "<th>error</th><th>process, measured</th></tr>")
+    note = (f"<tr><td colspan='5'>process: the rank's own memory at its highest over the step "
+            f"(resident on CPU, reserved on CUDA) beside the tensors'; the prediction's allowance "
+            f"for it: {allowed}</td></tr>")
     return (f"<table style='font-size:12px;border-collapse:collapse'>{head}{''.join(rows)}"
-            f"</table>")
+            f"{note}</table>")

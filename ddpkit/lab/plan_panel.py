@@ -46,12 +46,13 @@ class PlanPanel:
         if p.choice is None:
             alts = "".join(f"<li>{html.escape(a['change'])}: {a['predicted'] / MIB:.2f} MiB"
                            f"{' (fits)' if a['fits'] else ''}</li>" for a in p.alternatives)
-            self.readout.value = (f"<b>nothing fits {p.budget / MIB:.2f} MiB</b> with any "
-                                  f"checkpoint choice; instead:<ul>{alts}</ul>")
+            self.readout.value = (f"<b>nothing fits {p.budget / MIB:.2f} MiB</b> "
+                                  f"({html.escape(p.memory_note)}) with any checkpoint choice; "
+                                  f"instead:<ul>{alts}</ul>")
             return p
         self.on_plan(p)
         c = p.choice
         self.readout.value = (f"plan: {sum(c.mask)} of {len(c.mask)} blocks checkpointed, "
-                              f"{c.total / MIB:.2f} MiB of {p.budget / MIB:.2f} MiB per rank, "
-                              f"FLOP ratio {c.flops_ratio:.3f}")
+                              f"{c.total / MIB:.2f} MiB of {p.budget / MIB:.2f} MiB per rank "
+                              f"({html.escape(p.memory_note)}), FLOP ratio {c.flops_ratio:.3f}")
         return p

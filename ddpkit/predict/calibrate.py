@@ -27,6 +27,7 @@ from ..runtime.launch import launch
 from . import hardware, rates, replay
 from .machine import Machine
 from .optrace import Op
+from .player import play
 from .simulate import simulate
 
 REFERENCES = (dict(model="gpt", n_blocks=2, width=32, seq_len=16, micro_batch=2, optimizer="adamw"),
@@ -34,9 +35,11 @@ REFERENCES = (dict(model="gpt", n_blocks=2, width=32, seq_len=16, micro_batch=2,
               dict(model="gpt", n_blocks=4, width=128, seq_len=64, micro_batch=4,
                    optimizer="adamw"),
               dict(model="mlp", n_blocks=4, width=256, micro_batch=16, optimizer="adamw",
-                   checkpoint=2))
+                   checkpoint=2),
+              dict(model="mlp", n_blocks=2, width=512, micro_batch=8))
 """The built-in models' steps the framework's per-op cost is fitted on: two small enough that
-the cost is most of the step, two where compute is, one with recompute."""
+the cost is most of the step, two where compute is, one with recompute, one whose all-reduce
+is most of it (the share of a core communication takes, `fit_share`)."""
 
 
 def machine_key(threads):
@@ -73,9 +76,10 @@ def fit_costs(machine, refs):
     """From the reference steps (``refs``: (their simulated stream, what a rank measured:
     phases and each op's own seconds, `rates.reference_phases`)): each op's cost in a rank over
     its cost run alone (``factor``: by phase and op name, and by phase and kind for the ops the
-    references do not run); each phase's cost per dispatched op (``overhead``: what the phase
+    references do not run), and beyond it per byte moved (``per_byte``: by phase and kind); each phase's cost per dispatched op (``overhead``: what the phase
     took beyond its ops' own seconds); and the step's fixed work (beyond its phases)."""
     alone, inside, kinds, per_op, fixed = {}, {}, {}, {p: [] for p in PHASES}, []
+    moved = {}  # bytes by key
     for stream, measured in refs:
         ops = [e for e in stream if isinstance(e, Op) and e.kind != "collective"
                and e.phase in PHASES]
@@ -84,6 +88,7 @@ def fit_costs(machine, refs):
             if t:
                 key = f"{op.phase}/{op.name}"
                 alone[key] = alone.get(key, 0.0) + t
+                moved[key] = moved.get(key, 0) + op.bytes
                 kinds[key] = "memory" if op.kind == "memory" else "compute"
         for key, t in measured["ops"].items():
             inside[key] = inside.get(key, 0.0) + t
@@ -100,12 +105,33 @@ def fit_costs(machine, refs):
             if keys:
                 factor[f"{phase}/{kind}"] = (sum(inside[k] for k in keys)
                                              / sum(alone[k] for k in keys))
+    per_byte = {}
+    for phase in PHASES:  # in a step, an op costs its cost alone and a cost per byte it moves
+        for kind in ("memory", "compute"):
+            keys = [k for k in measured if k.startswith(phase + "/") and kinds[k] == kind]
+            if keys and sum(moved[k] for k in keys):
+                extra = sum(inside[k] - alone[k] for k in keys)
+                per_byte[f"{phase}/{kind}"] = max(0.0, extra / sum(moved[k] for k in keys))
     overhead = {}
     for phase in PHASES:
         overhead[phase] = statistics.median(per_op[phase])
         overhead[phase + "_view"] = VIEW_WEIGHT * overhead[phase]
     overhead["other"], overhead["other_view"] = overhead["forward"], overhead["forward_view"]
-    return overhead, factor, max(0.0, statistics.median(fixed))
+    return overhead, factor, per_byte, max(0.0, statistics.median(fixed))
+
+
+SHARES = [i / 20 for i in range(21)]
+
+
+def fit_share(machine, refs, ranks):
+    """The share of a core a collective takes from compute (`Machine.comm_cpu_share`) that
+    predicts the reference steps' wall seconds best (their relative errors' squares, summed):
+    on CPU ranks gloo's copies and sums run on the cores the ranks compute on."""
+    def error(share):
+        machine.comm_cpu_share = share
+        return sum((play(stream, machine, ranks=ranks)[0] / measured["wall"] - 1) ** 2
+                   for stream, measured in refs)
+    return min(SHARES, key=error)
 
 
 def _launch(fn, *args, world_size, on_metric=None, **kw):
@@ -212,12 +238,14 @@ def _calibrate_cpu(key, progress):
         machine = Machine(f"this machine ({os.cpu_count()} cores, CPU ranks, gloo)",
                           threads=two["threads"], collectives={**two["collectives"],
                                                                **four["collectives"]},
-                          comm_cpu_share=two["comm_cpu_share"], key=key)
+                          key=key)
         refs = [(simulate(cfg, 0).stream, measured) for cfg, measured in
                 _reference_steps(2, tick)]
         for stream, _ in refs:
             replay.learn(machine, stream)
-        machine.overhead, machine.factor, machine.step_s = fit_costs(machine, refs)
+        machine.overhead, machine.factor, machine.per_byte, machine.step_s = fit_costs(machine,
+                                                                                     refs)
+        machine.comm_cpu_share = fit_share(machine, refs, ranks=2)
     finally:
         if bar is not None:
             bar.close()

@@ -3,13 +3,14 @@
 Every answer is about the step's **peak** per rank (`peak.predicted_peak`: the rank's own step
 simulated on fake tensors; every live byte at the highest moment of forward, backward and
 optimizer step, DDP's buckets included), never about a sum of parts, against what the card
-leaves a step (`gpus.usable_bytes`).
+leaves a step (`gpus.usable_bytes`), beside the allocator's allowance for that device
+(`gpus.allocator_allowance`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gpus import gpu_name, usable_bytes
+from .gpus import Allowance, allocator_allowance, gpu_name, is_card, usable_bytes
 from .peak import predicted_peak
 from .units import fmt_bytes
 
@@ -17,42 +18,57 @@ from .units import fmt_bytes
 @dataclass
 class Fit:
     """Does a config fit? Truthy when it does. ``peak``: the predicted step peak per rank (a
-    `Peak`: bytes, phase, ledger); ``usable``: the bytes the card leaves a step."""
+    `Peak`: bytes, phase, ledger); ``usable``: the bytes the card leaves a step; ``allowance``:
+    the allocator's share budgeted beside the peak (`gpus.Allowance`; ``allowed``: its bytes)."""
     peak: object
     usable: int
     where: str
+    allowance: Allowance = Allowance(0.0, "")
 
     @property
     def predicted(self):
         return self.peak.bytes
 
+    @property
+    def allowed(self):
+        return self.allowance.of(self.predicted)
+
+    @property
+    def needed(self):
+        """The predicted peak and the allocator's allowance: what is compared with ``usable``."""
+        return self.predicted + self.allowed
+
     def __bool__(self):
-        return self.predicted <= self.usable
+        return self.needed <= self.usable
+
+    @property
+    def headroom(self):
+        return self.usable - self.needed
 
     def __repr__(self):
         verdict = "fits" if self else "does not fit"
+        extra = f" + {fmt_bytes(self.allowed)}" if self.allowed else ""
         return (f"Fit({verdict} {self.where}: the step peaks at {fmt_bytes(self.predicted)} per "
-                f"rank in the {self.peak.phase}, of {fmt_bytes(self.usable)} usable; not counted: "
-                f"fragmentation beyond the 5% reserve, NCCL's own buffers)")
+                f"rank in the {self.peak.phase}{extra} ({self.allowance}), of "
+                f"{fmt_bytes(self.usable)} usable; not counted: NCCL's own buffers)")
 
 
-
-def fits(cfg, gpu):
+def fits(cfg, gpu, allowance=None):
     """`Fit` of ``cfg`` as it is (its own checkpoint setting) on a GPU name or a byte count:
     the step's simulated peak per rank (the higher of the first step and the steady state,
-    on the heaviest rank) against what the card leaves a step."""
-    usable = usable_bytes(gpu)
-    where = gpu_name(gpu) if isinstance(gpu, str) and not gpu[:1].isdigit() else \
-        fmt_bytes(usable)
-    return Fit(predicted_peak(cfg), usable, where)
+    on the heaviest rank), with the allocator's allowance (`gpus.allocator_allowance`;
+    ``allowance``: a fraction of your own, 0 for none), against what the card leaves a step."""
+    usable, allowed = usable_bytes(gpu), allocator_allowance(cfg, gpu, allowance)
+    where = gpu_name(gpu) if is_card(gpu) else fmt_bytes(usable)
+    return Fit(predicted_peak(cfg), usable, where, allowed)
 
 
-def largest_micro_batch(cfg, gpu, limit=4096):
-    """The largest micro-batch with which ``cfg`` (its checkpoint setting) fits ``gpu``; 0 if
-    none does. Each phase's peak grows about linearly with the micro-batch (the optimizer
+def largest_micro_batch(cfg, gpu, limit=4096, allowance=None):
+    """The largest micro-batch with which ``cfg`` (its checkpoint setting) fits ``gpu`` (as
+    `fits` says, the allocator's allowance included); 0 if none does. Each phase's peak grows about linearly with the micro-batch (the optimizer
     step's not at all): two simulated steps give a first guess, and a search by simulated
     steps around it gives the answer (the answer fits; one more sample does not)."""
-    usable = usable_bytes(gpu)
+    usable = allocator_allowance(cfg, gpu, allowance).room(usable_bytes(gpu))
     peaks = {}
 
     def peak(mb):

@@ -1,6 +1,6 @@
 """A CUDA rank's step, played with CUDA's semantics: the host issues, the GPU's streams run.
 
-`steptime.play` times a CPU rank, where an op's time is the time the rank spends on it. A CUDA
+`player.play` times a CPU rank, where an op's time is the time the rank spends on it. A CUDA
 rank's Python thread only *issues* work: each op costs the host its dispatch (Python, the
 dispatcher, autograd; `Machine.host_s`) and queues a kernel on a stream, which runs when the
 stream is free and the host has issued it (`Machine.device_s`). So the host runs ahead of the
@@ -176,7 +176,7 @@ class CudaRank:
 
 def play_cuda(stream, machine, *, ranks, rank=0, caps=(2**20, 25 * 2**20)):
     """Play a CUDA rank's simulated ``stream`` on ``machine`` (a named device's roofline or a
-    GPU's calibration): (seconds, ledger, rows, comm spans), as `steptime.play` returns."""
+    GPU's calibration): (seconds, ledger, rows, comm spans), as `player.play` returns."""
     r = CudaRank(machine, ranks)
     rows, opened = [], {}
     launches = ddp_buckets(stream, caps)

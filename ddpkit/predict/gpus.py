@@ -5,11 +5,20 @@ A card's usable bytes are its memory less the CUDA context (about 0.5 GiB on rec
 and a 5% reserve for the caching allocator's rounding and fragmentation: stated here, not
 hidden in the figures. Cards go by the names people write: 'H100', 'h100', 'H100-80GB',
 'NVIDIA H100 80GB'.
+
+**The allocator's allowance** (`allocator_allowance`): the predicted peak counts tensor bytes; a
+process holds more. A budget in bytes is memory of the device the ranks run on, so the
+allowance of that device's allocator is added to the peak before it is compared (a card's name
+has it inside its usable bytes already: the 5% reserve). On CPU, glibc: measured, with where
+the figure came from (`CPU_ALLOWANCE`).
 """
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 
+from ..devices import mmap_threshold, resolve_devices
 from .units import GIB, KIB, MIB, TIB
 
 CUDA_CONTEXT = 512 * MIB
@@ -61,7 +70,7 @@ def gpu_name(name):
 
 def usable_bytes(gpu):
     """Bytes a training step can use on a named GPU (or a byte count given as is)."""
-    if isinstance(gpu, str) and not re.fullmatch(r"\s*[\d.]+\s*([KMGT]i?B|B)?\s*", gpu, re.I):
+    if is_card(gpu):
         return int((GPUS[gpu_name(gpu)] - CUDA_CONTEXT) * (1 - ALLOCATOR_RESERVE))
     return parse_bytes(gpu, "gpu")
 
@@ -90,3 +99,93 @@ def budget_bytes(memory_budget):
             parse_bytes(memory_budget)
     except ValueError:
         return parse_bytes(memory_budget)  # its message names memory_budget
+
+
+MMAP_FIXED = 131072
+CPU_MEASURED = {"dynamic": 3.26, "fixed": 1.05}
+"""A CPU rank's ``process_peak_bytes / peak_bytes`` at real sizes, the highest measured: the rank's
+resident high-water mark over a step (its own memory, less what it held before the model was
+built) over its tensors' peak of the same step, steps 2 on, both ranks, over ``bench.peak``'s 21
+rows (GPT-2 small and a 100M Llama; DDP, ZeRO-1, FSDP; checkpointing; bf16): ``bench/results.md``,
+sections ``bench.peak`` (both ways) and ``bench.malloc`` (2026-12-07). "fixed": glibc's mmap
+threshold fixed at 128 KiB or less, what ddpkit's CPU ranks do (`ddpkit.rank.heap`). "dynamic":
+glibc's own (``DDPKIT_MMAP_THRESHOLD=dynamic``): after a large block is freed the threshold
+rises, later large blocks come from the heap, which keeps them resident and fragments:
+1.16-3.26x, FSDP the highest. At teaching sizes (a few MiB) a rank holds several MiB besides its
+tensors (the profiler, gloo, Python): a fraction of the peak does not describe that, and is not
+meant to."""
+CPU_ALLOWANCE = {k: math.ceil(round((v - 1) * 20, 6)) / 20 for k, v in CPU_MEASURED.items()}
+"""The allowance budgeted for it: the measured share rounded up to 5%."""
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """The allocator's share a budget leaves beside the predicted peak: ``fraction`` of the
+    peak, and ``why`` (what it stands for and where the figure came from)."""
+    fraction: float
+    why: str
+
+    def of(self, peak):
+        """The allowance's bytes for a peak of ``peak`` bytes."""
+        return math.ceil(peak * self.fraction)
+
+    def room(self, budget):
+        """The highest peak whose bytes plus its allowance stay within ``budget``."""
+        peak = int(budget / (1 + self.fraction))
+        while peak + 1 + self.of(peak + 1) <= budget:
+            peak += 1
+        while peak > 0 and peak + self.of(peak) > budget:
+            peak -= 1
+        return peak
+
+    def __str__(self):
+        return f"+{100 * self.fraction:.0f}% for {self.why}" if self.fraction else self.why
+
+
+def is_card(gpu):
+    """Is ``gpu`` a card's name (not a byte count or a size string)?"""
+    return isinstance(gpu, str) and not re.fullmatch(r"\s*[\d.]+\s*([KMGT]i?B|B)?\s*", gpu, re.I)
+
+
+def allocator_allowance(cfg, gpu=None, allowance=None):
+    """The `Allowance` for ``cfg``'s step peak against ``gpu`` (a card's name or a budget in
+    bytes). ``allowance``: a fraction of your own (0: tensors only), else the measured one of
+    the device ``cfg``'s ranks run on."""
+    if allowance is not None:
+        if isinstance(allowance, bool) or not isinstance(allowance, (int, float)) \
+                or not allowance >= 0:
+            raise ValueError(f"allowance={allowance!r}: pass a fraction of the peak >= 0 (0: "
+                             f"tensors only), or None for the allocator's measured share")
+        return Allowance(float(allowance), "your allowance" if allowance else
+                         "no allowance for the allocator (allowance=0)")
+    if is_card(gpu) or _device(cfg) == "cuda":
+        reserve = f"{100 * ALLOCATOR_RESERVE:.0f}%"
+        if is_card(gpu):
+            return Allowance(0.0, f"the caching allocator's {reserve} reserve, taken off the "
+                                  f"card (stated, not measured)")
+        return Allowance(ALLOCATOR_RESERVE / (1 - ALLOCATOR_RESERVE),
+                         f"the CUDA caching allocator (a {reserve} reserve: stated, not measured)")
+    fixed = _fixed_threshold()
+    kind = "fixed" if fixed else "dynamic"
+    where = "bench.peak, bench/results.md"
+    return Allowance(CPU_ALLOWANCE[kind], (
+        f"glibc's heap, its mmap threshold fixed at {fixed} B (ddpkit's CPU ranks): a rank's "
+        f"resident peak measured at up to {CPU_MEASURED['fixed']:.2f}x its tensors' ({where})"
+        if fixed else
+        f"glibc's heap, its mmap threshold dynamic: a rank's resident peak measured at up to "
+        f"{CPU_MEASURED['dynamic']:.2f}x its tensors' ({where}; fixed, as ddpkit's CPU ranks do "
+        f"unless DDPKIT_MMAP_THRESHOLD says otherwise: {CPU_MEASURED['fixed']:.2f}x)"))
+
+
+def _device(cfg):
+    try:
+        return resolve_devices(cfg.world_size, cfg.backend, cfg.device)[1]
+    except ValueError:
+        return cfg.device or "cpu"
+
+
+def _fixed_threshold():
+    """The threshold CPU ranks started now fix glibc's at, when it is 128 KiB or less (the
+    measured case; `ddpkit.devices.mmap_threshold`), else None."""
+    fixed = mmap_threshold()
+    return fixed if fixed is not None and fixed <= MMAP_FIXED else None

@@ -70,6 +70,12 @@ class Machine:
     output newly allocated, the other rank beside it), by "phase/op name" as measured on the
     reference steps, and by "phase/memory" and "phase/compute" for ops they do not run; 1
     where nothing was measured."""
+    per_byte: dict = dataclasses.field(default_factory=dict)
+    """What an op costs inside a real step beyond its cost alone, in seconds per byte it moves,
+    by "phase/memory" and "phase/compute" (its operands come from memory, not a cache kept hot
+    by running it again; its output's pages are new): fitted on the reference steps. Where it
+    is known it replaces ``factor``, which grows wrong with an op's size (a small op's ratio is
+    not a large one's)."""
     key: str = ""
     """What the figures were measured for (host, processor, torch, threads): a cache key."""
     notes: list = dataclasses.field(default_factory=list)
@@ -83,7 +89,7 @@ class Machine:
         work = 0.0
         alone = self.replayed.get(repr(op.recipe)) if op.recipe is not None else None
         if alone is not None and op.kind != "view":
-            return host + self._inside(op) * alone
+            return host + self._inside(op, alone)
         if op.kind == "matmul":
             work = self.gemm_s(op.shape, op.dtype)
         elif op.kind == "attention":
@@ -93,14 +99,18 @@ class Machine:
             work = self.memory_s(op.name, op.bytes)
         if self.kind == "roofline":  # the device runs it while the host issues the next ones
             return max(host, work + self.kernel_s) if op.kind != "view" else host
-        return host + self._inside(op) * work
+        return host + self._inside(op, work)
 
-    def _inside(self, op):
-        """What ``op`` costs inside a step over what it costs alone: measured for its phase and
-        name on the reference steps, else its phase's and kind's (`calibrate.fit_costs`)."""
-        f = self.factor
+    def _inside(self, op, alone):
+        """What ``op`` costs inside a step, ``alone`` its cost run alone: plus its bytes at its
+        phase's and kind's cost per byte where that was fitted, else times its factor (its
+        phase's and name's, else its phase's and kind's) (`calibrate.fit_costs`)."""
         kind = "memory" if op.kind == "memory" else "compute"
-        return f.get(f"{op.phase}/{op.name}") or f.get(f"{op.phase}/{kind}", 1.0)
+        per_byte = self.per_byte.get(f"{op.phase}/{kind}")
+        if per_byte is not None:
+            return alone + per_byte * op.bytes
+        f = self.factor
+        return alone * (f.get(f"{op.phase}/{op.name}") or f.get(f"{op.phase}/{kind}", 1.0))
 
     def needs_tables(self):
         """Is this a measured machine whose rate tables are not measured yet?"""

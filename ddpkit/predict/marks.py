@@ -1,7 +1,7 @@
 """What a simulated step's marks (`optrace.Mark`) mean for its time: where DDP starts each
 bucket's all-reduce (from the ``grad`` marks, as DDP lays its buckets out from step 1 on), and
 the timeline's rows (from the block marks, as the rank's probe names them). Read by both
-players: `steptime.play` (a CPU rank) and `gpuplay.play_cuda` (a CUDA rank).
+players: `player.play` (a CPU rank) and `gpuplay.play_cuda` (a CUDA rank).
 """
 from __future__ import annotations
 

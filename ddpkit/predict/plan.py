@@ -31,10 +31,15 @@ block alone checkpointed, minus the step with none), a selective mask costs
 The masks on the Pareto frontier of (FLOPs, activation peak) are enumerated exactly (every mask
 up to 16 blocks, every count per group of identical blocks beyond; this is the knapsack
 torch's ``torch.distributed._tools.sac_ilp`` solves with an ILP per operator). Each mask's step
-peak is then placed by the simulated step without checkpointing: its forward and backward
-phases lower by what the mask saves, its optimizer phase stays. The cheapest mask placed
-within the budget is simulated itself, and taken when its simulated peak fits (else the next):
-the plan's bytes are always a simulated step's.
+peak is first placed by the simulated step without checkpointing (its forward and backward
+phases lower by what the mask saves, its optimizer phase stays): the search's key, which can be
+optimistic by a few percent (a region's recompute comes back inside the backward, above where
+the placing puts it). So no row's bytes are placed ones: each mask on that placed frontier is
+simulated itself when its peak is first asked for (`Choice.total`: `peak.predicted_peak`, what
+``estimate(cfg).peak()`` answers; composed from per-block pieces for a large model, so a row
+costs arithmetic). The choice is the cheapest row whose simulated peak fits (every cheaper row
+simulated and above the budget), and the table (`Plan.frontier_table`) shows every row
+simulated, kept on those simulated peaks.
 """
 from __future__ import annotations
 
@@ -46,14 +51,14 @@ from ..engine import strategies
 from ..engine.memory import TIE
 from ..spec.setting import CheckpointSetting
 from .estimate import estimate, traced_flops
-from .gpus import budget_bytes
+from .gpus import Allowance, allocator_allowance, budget_bytes
 from .peak import predicted_peak
 from .units import fmt_bytes
 
 @dataclass
 class Choice:
     """One point of the trade-off: a per-block mask and what it costs per rank. ``peak``: its
-    simulated step peak, once simulated (`plan` simulates the one it takes)."""
+    simulated step peak, once simulated (`plan` simulates every row it shows)."""
     mask: tuple
     activations: int
     peak_activations: int
@@ -65,10 +70,15 @@ class Choice:
     placed: int = 0
     """The step peak placed from the simulated step without checkpointing (the search's key)."""
     peak: object = None
+    config: object = field(default=None, repr=False, compare=False)
+    """The config whose row this is: its peak is simulated when first asked for (`total`)."""
 
     @property
     def total(self):
-        """Predicted bytes per rank at the step's peak: simulated when it was, else placed."""
+        """Predicted bytes per rank at the step's peak: its simulated step's (simulated on first
+        use where the row has its config; else placed)."""
+        if self.peak is None and self.config is not None:
+            self.peak = predicted_peak(self.config.replace(checkpoint=self.checkpoint))
         return self.peak.bytes if self.peak is not None else self.placed
 
     @property
@@ -80,7 +90,8 @@ class Choice:
 @dataclass
 class Plan:
     """``ddpkit.plan``'s answer. ``choice`` is None when nothing fits; then ``reason`` says
-    why and ``alternatives`` what would (each with its predicted peak)."""
+    why and ``alternatives`` what would (each with its predicted peak). ``budget``: the
+    highest step peak the memory given leaves once the allocator's allowance is set aside."""
     budget: int
     choice: Choice | None
     frontier: list = field(repr=False)
@@ -89,6 +100,10 @@ class Plan:
     reason: str = ""
     unchecked: object = field(default=None, repr=False)
     """The simulated peak without checkpointing (where the step peaks)."""
+    allowance: Allowance = Allowance(0.0, "")
+    """The allocator's share budgeted beside the peak (`gpus.allocator_allowance`)."""
+    memory: int = 0
+    """The memory given; ``budget`` is what it leaves the step's peak beside the allowance."""
 
     @property
     def fits(self):
@@ -105,25 +120,34 @@ class Plan:
         return (cfg or self.config).replace(checkpoint=self.checkpoint)
 
     def frontier_table(self):
-        """The frontier: each mask's activations, placed step peak and FLOP ratio."""
+        """The frontier: each mask's activations, simulated step peak and FLOP ratio (every row
+        simulated, and kept where no other row has both fewer FLOPs and a lower peak)."""
         import pandas as pd
 
         return pd.DataFrame([dict(checkpointed=sum(c.mask), mask=str(c.setting.with_value(c.mask)),
                                   activation_bytes=c.activations, peak_bytes=c.total,
                                   simulated=c.peak is not None, flops_ratio=round(c.flops_ratio, 4),
                                   chosen=self.choice is not None and c.mask == self.choice.mask)
-                             for c in self.frontier])
+                             for c in frontier(self.frontier)])
 
     def __repr__(self):
         gib = fmt_bytes
         if self.choice is None:
             alts = "; ".join(f"{a['change']}: {gib(a['predicted'])}{' (fits)' if a['fits'] else ''}"
                              for a in self.alternatives)
-            return (f"Plan(nothing fits {gib(self.budget)}: {self.reason}; instead: "
-                    f"{alts or 'nothing tried'})")
+            return (f"Plan(nothing fits {gib(self.budget)} ({self.memory_note}): {self.reason}; "
+                    f"instead: {alts or 'nothing tried'})")
         c = self.choice
         return (f"Plan(checkpoint={c.checkpoint}, the step peaks at {gib(c.total)} per rank in "
-                f"the {c.peak.phase} of {gib(self.budget)}, FLOP ratio {c.flops_ratio:.3f})")
+                f"the {c.peak.phase} of {gib(self.budget)} ({self.memory_note}), FLOP ratio "
+                f"{c.flops_ratio:.3f})")
+
+    @property
+    def memory_note(self):
+        """The memory given and the allocator's allowance beside the budget, in words."""
+        if not self.allowance.fraction:
+            return str(self.allowance)
+        return f"{fmt_bytes(self.memory)} given, {self.allowance}"
 
 
 # ----------------------------------------------------------------------------- the figures
@@ -225,41 +249,46 @@ def _masks(fig, limit=1_000_000):
         yield tuple(mask)
 
 
-def frontier(choices):
-    """The Pareto-optimal choices: none other has both fewer FLOPs and a lower peak."""
+def frontier(choices, by="total"):
+    """The Pareto-optimal choices: none other has both fewer FLOPs and a lower peak (``by``:
+    'total', the simulated peak; 'placed', the search's key, simulating nothing)."""
     best, out = None, []
-    for c in sorted(choices, key=lambda c: (c.flops, c.total)):
-        if best is None or c.total < best:
+    for c in sorted(choices, key=lambda c: (c.flops, getattr(c, by))):
+        if best is None or getattr(c, by) < best:
             out.append(c)
-            best = c.total
+            best = getattr(c, by)
     return out
 
 
-def plan(cfg, memory_budget):
+def plan(cfg, memory_budget, allowance=None):
     """The per-block checkpoint choice whose step peak per rank (simulated: every live byte at
     the step's highest moment, DDP's buckets included) fits ``memory_budget`` (bytes, a string
-    like '12GiB', or a GPU name from `gpus.GPUS`) at the least recompute."""
+    like '12GiB', or a GPU name from `gpus.GPUS`) at the least recompute, beside the allocator's
+    allowance (`gpus.allocator_allowance`; ``allowance``: a fraction of your own, 0 for none)."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")
-    budget = budget_bytes(memory_budget)
+    given = budget_bytes(memory_budget)
+    allowed = allocator_allowance(cfg, memory_budget, allowance)
+    budget = allowed.room(given)  # what the step's tensors may peak at
     fig = _figures(cfg)
     unchecked = predicted_peak(cfg.replace(checkpoint=None))
-    front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m, fig.none.stacks)), fig,
-                            unchecked)
-                     for m in _masks(fig))
+    front = frontier((_place(_choice(fig, CheckpointSetting.from_mask(m, fig.none.stacks)), fig,
+                             unchecked) for m in _masks(fig)), by="placed")
+    for c in front:  # each row's peak: its own simulated step, on first use
+        c.config = cfg
     # every block checkpointed keeps the fewest activations: what checkpointing can reach
     lowest = unchecked if not front[1:] else predicted_peak(cfg.replace(checkpoint="full"))
     if min(lowest.bytes, unchecked.bytes) > budget:
         return Plan(budget, None, front, _alternatives(cfg, budget), cfg,
-                    _out_of_reach(unchecked, lowest), unchecked)
-    for c in front:  # cheapest first; simulate those placed within the budget
-        if c.placed <= budget:
-            c.peak = predicted_peak(cfg.replace(checkpoint=c.checkpoint))
-            if c.peak.bytes <= budget:
-                return Plan(budget, c, front, [], cfg, "", unchecked)
+                    _out_of_reach(unchecked, lowest), unchecked, allowed, given)
+    # the cheapest row whose simulated peak fits (the rows cheaper than it: simulated, above)
+    choice = next((c for c in front if c.total <= budget), None)
+    if choice is not None:
+        return Plan(budget, choice, front, [], cfg, "", unchecked, allowed, given)
     reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
               f"{fmt_bytes(min(c.total for c in front))})")
-    return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked)
+    return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked, allowed,
+                given)
 
 
 def _out_of_reach(unchecked, lowest):

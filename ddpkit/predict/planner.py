@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import TrainConfig
-from .gpus import budget_bytes
+from .gpus import allocator_allowance, budget_bytes
 from .peak import predicted_peak
 from .plan import plan as memory_plan
 from .steptime import step_time
@@ -103,20 +103,24 @@ class TimePlan:
                 f"{len(self.candidates)} weighed)")
 
 
-def plan(cfg, memory_budget, objective="memory", device=None, link=None):
+def plan(cfg, memory_budget, objective="memory", device=None, link=None, allowance=None):
     """The setting for ``cfg`` whose step's peak per rank fits ``memory_budget`` (bytes, a
-    string like '12GiB', or a GPU name): ``objective="memory"`` the per-block checkpoint choice
-    with the least recompute (`plan.Plan`); ``objective="time"`` the fastest setting of
-    strategy, micro-batch and accumulation, checkpointing and bucket size at the same global
-    batch (a `TimePlan`; ``device``/``link`` as `estimate(cfg).step_time` takes them)."""
+    string like '12GiB', or a GPU name) beside the allocator's allowance
+    (`gpus.allocator_allowance`; ``allowance``: a fraction of your own, 0 for none):
+    ``objective="memory"`` the per-block checkpoint choice with the least recompute
+    (`plan.Plan`); ``objective="time"`` the fastest setting of strategy, micro-batch and
+    accumulation, checkpointing and bucket size at the same global batch (a `TimePlan`, whose
+    ``budget`` is what the allowance leaves the peak; ``device``/``link`` as
+    `estimate(cfg).step_time` takes them)."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")
     if objective == "memory":
-        return memory_plan(cfg, memory_budget)
+        return memory_plan(cfg, memory_budget, allowance)
     if objective != "time":
         raise ValueError(f"plan(objective={objective!r}): pass 'memory' (the least recompute "
                          f"that fits) or 'time' (the fastest step that fits)")
-    return fastest(cfg, budget_bytes(memory_budget), device, link)
+    room = allocator_allowance(cfg, memory_budget, allowance).room(budget_bytes(memory_budget))
+    return fastest(cfg, room, device, link)
 
 
 def _micro_batches(cfg):

@@ -5,9 +5,9 @@ timed with CUDA events around its kernels, queued back to back (torch's CUDA sem
 "Asynchronous execution": a host clock would time the launches, not the kernels), and the GPU's
 own figures are added (`gpu_figures`: the host's cost of issuing an op, a kernel's fixed cost):
 
-* collectives over the group's transport (gloo on loopback), by size, and the share of a core
-  they take from compute beside them (`rank_figures`);
-* a reference step's phases, by this thread's CPU time (`reference_phases`);
+* collectives over the group's transport (gloo on loopback), by size (`rank_figures`);
+* a reference step's phases, by this thread's CPU time, and its wall time (`reference_phases`:
+  the share of a core collectives take from compute is fitted to it, `calibrate.fit_share`);
 * and, in the kernel the first time a real-size model needs them (`tables`): matrix products on
   a grid of shapes (m, n, k in 8..1024) in float32 and bfloat16, attention (the CPU flash
   kernel) forward and backward, memory-bound ops by size and each common op's own factor.
@@ -195,11 +195,14 @@ def _collective(kind, nbytes, world, device=None):
         t = ones(n)
         return lambda: dist.broadcast(t, 0)
     shard = max(n // world, 1)
+    # torch 2.13 names them *_single (the old names warn, FutureWarning); 2.11 has only the old
     if kind == "allgather":
         inp, out = ones(shard), torch.empty(shard * world, device=device)
-        return lambda: dist.all_gather_into_tensor(out, inp)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(out, inp)
     inp, out = ones(shard * world), torch.empty(shard, device=device)  # reduce_scatter
-    return lambda: dist.reduce_scatter_tensor(out, inp)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return lambda: scatter(out, inp)
 
 
 def collective_points(world, kinds=("allreduce", "allgather", "reduce_scatter", "broadcast"),
@@ -246,34 +249,9 @@ def _events(run, reps):
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def comm_cpu_share(world, rounds=40):
-    """The share of a collective's time that it takes from compute on this rank: how much
-    slower matrix products run while ``rounds`` all-reduces of 4 MiB run on another thread
-    (gloo's copies and adds run on the rank's cores) than alone. Every rank runs the same
-    number of all-reduces, so none waits for a peer that stopped."""
-    import threading
-
-    import torch.distributed as dist
-
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    alone = timed(lambda: torch.mm(a, b), min_s=0.05, clock=time.perf_counter)  # the wall's
-    t = torch.ones(2**20)
-    dist.barrier()
-    worker = threading.Thread(target=lambda: [dist.all_reduce(t) for _ in range(rounds)])
-    done, start = 0, time.perf_counter()
-    worker.start()
-    while worker.is_alive():
-        torch.mm(a, b)
-        done += 1
-    beside = (time.perf_counter() - start) / max(done, 1)
-    worker.join()
-    dist.barrier()
-    return max(0.0, min(1.0, 1.0 - alone / beside))
-
-
 def rank_figures(ctx, tick_every=4):
-    """What the ranks measure together: each collective by size on this group, and the share
-    of a core they take from compute; rank 0's figures are returned. ``ctx.log`` ticks the
+    """What the ranks measure together: each collective by size on this group; rank 0's
+    figures are returned. ``ctx.log`` ticks the
     kernel's progress bar."""
     count = [0]
 
@@ -282,8 +260,7 @@ def rank_figures(ctx, tick_every=4):
         if count[0] % tick_every == 0:
             ctx.log(stage="calibrating", done=count[0])
     out = {"threads": torch.get_num_threads(),
-           "collectives": collective_points(ctx.world_size, tick=tick),
-           "comm_cpu_share": comm_cpu_share(ctx.world_size)}
+           "collectives": collective_points(ctx.world_size, tick=tick)}
     return out if ctx.rank == 0 else None
 
 
@@ -321,7 +298,8 @@ class OpClock(TorchDispatchMode):
 def reference_phases(ctx, plan, steps=12, clocked=4):
     """A step of ``plan`` (a `RankPlan`) on this rank, as `engine.loop.train_rank` builds it
     (its model, policy, wrapping and batches): this thread's CPU seconds in each phase and the
-    whole step (``step``), the median over ``steps`` steps after the first three; and ``ops``:
+    whole step (``step``), and the step's wall seconds (``wall``: with its communication), the
+    median over ``steps`` steps after the first three; and ``ops``:
     each (phase, op)'s own seconds per step (`OpClock`), over ``clocked`` more steps. Rank 0's;
     None elsewhere."""
     model = build_model(plan)[0]
@@ -341,12 +319,12 @@ def reference_phases(ctx, plan, steps=12, clocked=4):
         seconds.clear()
         batches = data.micro_batches(consumed[0], plan.micro_batch, plan.accum_steps)
         consumed[0] += ctx.world_size * plan.micro_batch * plan.accum_steps
-        start = time.thread_time()
+        start, wall = time.thread_time(), time.perf_counter()
         train_step(wrapped, optimizer, batches, accum_steps=plan.accum_steps, no_sync=plan.no_sync,
                    precision=strategies.autocast_precision(plan), loss_fn=plan.loss_fn,
                    phase=phase)
         zero_grad(optimizer)
-        return {**seconds, "step": time.thread_time() - start}
+        return {**seconds, "step": time.thread_time() - start, "wall": time.perf_counter() - wall}
     out = [one_step() for _ in range(steps)]
     with clock:
         for _ in range(clocked):

@@ -1,17 +1,6 @@
-"""How long a step takes, predicted: the rank's simulated step (`optrace.py`: every op it runs,
-in order) played on a machine's rates (`machine.py`).
-
-One clock runs the rank's compute, op after op: an op takes its dispatch cost plus its matrix
-product's, attention's or memory-bound time at its shape and dtype. Communication runs beside
-it on the transport: DDP hands each bucket to its all-reduce when the bucket's gradients are
-ready (the stream's ``bucket`` marks; none in a ``no_sync`` micro-step), they run one after
-another, and the backward's end waits for all of them (DDP's finalizer); a collective op
-(ZeRO-1's broadcasts, FSDP2's all-gathers and reduce-scatters) runs when issued and the first op
-that reads what it wrote waits for it (FSDP2's prefetch hides an all-gather behind the block
-before). Where collectives take a core from compute (gloo's copies and adds on a CPU rank),
-compute goes slower while they run. A simulated link (``link_gbps``) holds each all-reduce
-until a ring over that link would be done, buckets one after another on it, as the rank's
-`engine.timeline.SimulatedLink` does.
+"""How long a step takes, predicted: `step_time(cfg)`, the rank's simulated step (`optrace.py`)
+played on a machine: this machine's CPU ranks (`player.play`, on `calibrate`'s rates) or a GPU's
+rank, named or calibrated here (`gpuplay.play_cuda`, CUDA's streams on a roofline).
 
 The answer, `StepTime`, has the seconds, what they went to (``ledger``: forward, backward,
 recompute, exposed_comm, optimizer, other; they add up), the communication and its overlap as
@@ -23,19 +12,16 @@ import dataclasses
 import os
 
 from ..devices import cuda_gpus, resolve_devices
-from ..engine.timeline import ring_allreduce_s
 from . import hardware, replay
 from .attention import CudaTarget
 from .calibrate import calibrate, remember
 from .gpuplay import play_cuda
-from .marks import ddp_buckets, timeline_row
-from .optrace import Mark, Op
-from .peak import heaviest_rank, simulated
+from .optrace import Op
+from .peak import heaviest_rank, streamed
+from .player import LEDGER, play
 
-LEDGER = ("forward", "backward", "recompute", "exposed_comm", "optimizer", "other")
 COLUMNS = ["rank", "step", "micro_step", "kind", "name", "start_s", "end_s", "bytes"]
 """The timeline's columns, as ``ddpkit.runs.timeline.COLUMNS`` (a test holds them equal)."""
-_KIND = {"forward": "forward", "backward": "backward", "optimizer": "optimizer"}
 
 
 @dataclasses.dataclass
@@ -92,110 +78,6 @@ class StepTime:
         return "no communication" if self.comm_s == 0 else f"{100 * self.overlap:.0f}% hidden"
 
 
-class _Comm:
-    """The transport: collectives one after another (``free``: when it is next free), each
-    also held until a simulated link has carried it (``link``: (gbps, latency_us) or None)."""
-
-    def __init__(self, machine, ranks, link):
-        self.machine, self.ranks, self.link = machine, ranks, link
-        self.free = self.link_free = 0.0
-        self.spans = []  # (start, end, kind, name, bytes, micro)
-
-    def run(self, kind, nbytes, ready, name, micro):
-        start = max(ready, self.free)
-        end = start + self.machine.collective_s(kind, nbytes, self.ranks)
-        self.free = end
-        if self.link is not None and kind == "allreduce":
-            gbps, latency = self.link
-            begin = max(ready, self.link_free)
-            self.link_free = begin + ring_allreduce_s(nbytes, self.ranks, gbps, latency)
-            end = max(end, self.link_free)
-        self.spans.append((start, end, kind, name, nbytes, micro))
-        return end
-
-
-class Player:
-    """Plays one rank's stream on a machine: compute on one clock, collectives beside it."""
-
-    def __init__(self, machine, ranks, slowdown, link):
-        self.m, self.slow = machine, slowdown
-        self.comm = _Comm(machine, ranks, link)
-        self.t = 0.0
-        self.ledger = dict.fromkeys(LEDGER, 0.0)
-        self.pending = {}  # collective op index -> its end
-        self.buckets = []  # this backward's DDP bucket all-reduces: their ends
-
-    def op_seconds(self, op):
-        return self.m.op_s(op) * self.slow
-
-    def compute(self, work, kind):
-        """Advance the compute clock by ``work`` seconds of compute, slower while a collective
-        takes its share of the core."""
-        share, t, left = self.m.comm_cpu_share, self.t, work
-        while left > 0 and share > 0:
-            running = [e for s, e, *_ in self.comm.spans if s <= t < e]
-            if not running:
-                later = [s for s, *_ in self.comm.spans if s > t]
-                if not later or t + left <= min(later):
-                    break
-                left -= min(later) - t
-                t = min(later)
-                continue
-            until, rate = min(running), 1.0 - share
-            if t + left / rate <= until:
-                t, left = t + left / rate, 0.0
-            else:
-                left -= (until - t) * rate
-                t = until
-        end = t + left
-        self.ledger[kind] += end - self.t
-        self.t = end
-
-    def wait(self, until):
-        if until > self.t:
-            self.ledger["exposed_comm"] += until - self.t
-            self.t = until
-
-
-def play(stream, machine, *, ranks, slowdown=1.0, link=None, rank=0, caps=(2**20, 25 * 2**20)):
-    """Play a simulated step's ``stream`` on ``machine``: (seconds, ledger, rows, comm spans).
-    ``ranks``: the ranks each collective spans; ``slowdown``: how much slower this rank computes
-    than alone (ranks sharing cores); ``link``: a simulated link (gbps, latency_us) or None;
-    ``caps``: DDP's bucket caps in bytes (the first bucket's, the others')."""
-    p = Player(machine, ranks, slowdown, link)
-    p.compute(machine.step_s, "other")
-    rows, opened = [], {}
-    launches = ddp_buckets(stream, caps)
-
-    def row(kind, name, start, end, micro, nbytes=0):
-        rows.append((rank, 0, micro, kind, name, start, end, nbytes))
-
-    for i, e in enumerate(stream):
-        if isinstance(e, Op):
-            if e.kind == "collective":
-                p.pending[e.index] = p.comm.run(e.shape[0], e.bytes, p.t, e.shape[0], e.micro)
-            else:
-                kind = "recompute" if e.recompute else _KIND.get(e.phase, "other")
-                p.compute(p.op_seconds(e), kind)
-            continue
-        what, micro = e.what, e.micro
-        if i in launches:
-            bucket, nbytes = launches[i]
-            p.buckets.append(p.comm.run("allreduce", nbytes, p.t, f"bucket {bucket}", micro))
-        elif what == "wait":
-            p.wait(p.pending.pop(e.block, 0.0))
-        elif what == "backward_end":
-            p.wait(max(p.buckets, default=0.0))  # DDP's finalizer waits for every bucket
-            p.buckets = []
-        elif what == "optimizer_end":
-            p.wait(max(p.pending.values(), default=0.0))  # ZeRO-1's broadcasts: waited on
-            p.pending.clear()
-        timeline_row(e, p.t, opened, row)
-    for start, end, kind, name, nbytes, micro in p.comm.spans:
-        row("allreduce" if kind == "allreduce" else kind, name, start, end, micro, nbytes)
-    return p.t, p.ledger, rows, p.comm.spans
-
-
 def step_time(cfg, device=None, link=None, rank=None, machine=None, bucket_cap_mb=...):
     """The predicted `StepTime` of ``cfg``'s optimizer step on rank ``rank`` (None: the
     heaviest, as `peak` picks it). ``device=None``: this machine's ranks, from its calibration
@@ -217,7 +99,7 @@ def step_time(cfg, device=None, link=None, rank=None, machine=None, bucket_cap_m
         machine = calibrate(device=resolve_devices(cfg.world_size, cfg.backend, cfg.device)[1])
     if machine.kind == "cuda" and target is None:  # this machine's GPUs, calibrated
         target = _local_target(cfg)
-    sim = simulated(cfg, heaviest_rank(cfg, target) if rank is None else rank, target)
+    sim = streamed(cfg, heaviest_rank(cfg, target) if rank is None else rank, target)
     if machine.key and machine.kind == "measured" and replay.learn(machine, sim.stream):
         remember(machine)  # what it measured here for the first time, for next time
     mb = cfg.bucket_cap_mb if bucket_cap_mb is ... else bucket_cap_mb

@@ -21,6 +21,7 @@ import traceback
 import torch
 
 from .. import devices, shipping
+from . import heap
 from .context import Context
 from .fresh import Baseline, release_memory
 from .output import Channel, OutputForwarder
@@ -199,6 +200,8 @@ def rank_main(rank, world_size, conn, spec):
         if cublas is not None:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
         device = _place(rank, spec)
+        if device.type == "cpu":
+            heap.fix_threshold()  # resident memory near the tensors' (rank/heap.py)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           MASTER_ADDR=spec["host"], MASTER_PORT=str(spec["port"]))
         init_group(rank, world_size, spec["backend"], spec["host"], spec["port"],
@@ -274,6 +277,8 @@ def torchrun_main(ctx, work):
     """Entry point of a rank torchrun started: the group from torchrun's environment
     (MASTER_ADDR/PORT), ``work(ctx)`` once it is up, then a spawned rank's teardown."""
     def start():
+        if ctx.device.type == "cpu":
+            heap.fix_threshold()
         start_group(ctx.backend, ctx.device)
         return ctx
 

@@ -43,12 +43,22 @@ def _predicted(df, column):
     return list(df[column])
 
 
-def _label_sides(x):
-    """Each label on the side of its point away from the nearer edge of the x range: a label
-    at the right end reads leftwards, inside the plot, instead of running off it."""
-    lo, hi = min(x), max(x)
+def _label_sides(x, lo, hi):
+    """Each label on the side of its point away from the nearer edge of the axis' range
+    ``lo..hi`` (every point, error bar and prediction the panel draws): a label at the right
+    end reads leftwards, inside the plot, instead of running off it."""
     mid = (lo + hi) / 2
     return ["top left" if hi > lo and v > mid else "top right" for v in x]
+
+
+def _span(x, err, guess):
+    """The x range a panel draws: its points, their error bars, the predictions beside them."""
+    guess = [g for g in guess or [] if g == g]  # NaN where a setting was not predicted
+    low = [v - e for v, e in zip(x, err or [0] * len(x))] + guess
+    high = [v + e for v, e in zip(x, err or [0] * len(x))] + guess
+    lo, hi = min(low), max(high)
+    pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 1.0
+    return lo - pad, hi + pad
 
 
 def tradeoff(df, memory="activation_bytes"):
@@ -70,9 +80,12 @@ def tradeoff(df, memory="activation_bytes"):
                                         "vs step time (median, bars: IQR)"))
     panels = (("recompute_flops_ratio", None, "FLOPs / no checkpointing"),
               ("step_time_ms", "step_time_iqr_ms", "step time (ms)"))
+    guess = _predicted(df, "predicted_step_ms")
     for col, (x_key, err_key, title) in enumerate(panels, start=1):
         x = list(df[x_key])
-        err = dict(type="data", array=[v / 2 for v in df[err_key]], thickness=1) if err_key else None
+        half = [v / 2 for v in df[err_key]] if err_key else None
+        err = dict(type="data", array=half, thickness=1) if err_key else None
+        lo, hi = _span(x, half, guess if col == 2 else None)
         fig.add_scatter(x=x, y=mem, mode="markers", text=labels, error_x=err,
                         marker=dict(size=9, color=MEASURED), name="setting",
                         legendgroup="setting", showlegend=col == 1,
@@ -82,13 +95,12 @@ def tradeoff(df, memory="activation_bytes"):
         fx = [x[i] for i in front]
         fig.add_scatter(x=fx, y=[mem[i] for i in front],
                         mode="lines+markers+text", text=[labels[i] for i in front],
-                        textposition=_label_sides(fx), textfont=dict(size=10),
+                        textposition=_label_sides(fx, lo, hi), textfont=dict(size=10),
                         marker=dict(size=13, symbol="star", color="#d62728"),
                         line=dict(color="#d62728", dash="dash"), name="Pareto frontier",
                         legendgroup="pareto", showlegend=col == 1, hoverinfo="skip",
                         row=1, col=col)
-        fig.update_xaxes(title_text=title, row=1, col=col)
-    guess = _predicted(df, "predicted_step_ms")
+        fig.update_xaxes(title_text=title, range=[lo, hi], row=1, col=col)
     if guess is not None:
         fig.add_scatter(x=guess, y=mem, mode="markers", text=labels, name="predicted step time",
                         marker=dict(size=10, symbol="diamond-open", color=PREDICTED,

@@ -10,9 +10,8 @@ import os
 import socket
 import sys
 
-import cloudpickle
-
 from .. import shipping
+from ..devices import mmap_threshold_problem
 from ..rank.entry import capture_job_state
 from .group import HOST
 
@@ -62,7 +61,7 @@ def check_picklable(fn, args, kwargs):
         named += [(f"keyword argument {k!r} ({type(v).__name__})", v) for k, v in kwargs.items()]
         for label, obj in named:
             try:
-                cloudpickle.dumps(obj)
+                shipping.dumps(obj)  # as the job is pickled (modules by name)
             except Exception as inner:
                 raise TypeError(
                     f"{label} cannot be sent to the ranks: {inner}. Each rank is a fresh process, so "
@@ -96,6 +95,9 @@ def make_job(fn, args, kwargs, seed, stall_timeout_s):
                          f"or None to turn the watchdog off")
     if not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
+    problem = mmap_threshold_problem()  # read by each CPU rank at its start
+    if problem:
+        raise ValueError(problem)
     payload = check_picklable(fn, args, kwargs)
     # the collective timeout travels with each job: a pool's ranks serve jobs of any
     # stall_timeout_s, and torch's own timeout must never fire before ddpkit's watchdog. So do

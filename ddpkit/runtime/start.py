@@ -40,7 +40,7 @@ IDLE_DEFAULT_S = 600.0
 # read when a rank starts (threads, devices, the communication libraries, torch itself): a warm
 # rank, or the server, cannot take a change of these
 STARTUP_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "CUBLAS_",
-                    "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_", "LD_PRELOAD")
+                    "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_", "LD_PRELOAD", "DDPKIT_MMAP_")
 # what the server imports once; every fresh DDP rank imports torch._dynamo
 # (torch/nn/parallel/distributed.py imports it in DistributedDataParallel.__init__)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddpkit.rank.entry"]
