@@ -120,17 +120,6 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
         "spec/empty.py's docstring",
     "torch._foreach_mul_": "predict/rates.py: the host's cost of issuing a foreach op",
     "torch.ops.aten._scaled_mm": "predict/optrace.py: a matmul",
-    "torch.ops.aten._unique": "predict/datadep.py: a data-dependent op sized at its bound",
-    "torch.ops.aten._unique2": "predict/datadep.py: ... the same",
-    "torch._meta_registrations._create_grouped_mm_output_tensor":
-        "predict/datadep.py: a grouped matrix product's output (MoE experts) on fake tensors",
-    "torch._subclasses.fake_tensor.FakeTensor": "predict/datadep.py: is a tensor fake",
-    "torch.utils._python_dispatch._disable_current_modes":
-        "predict/datadep.py: an upper bound computed outside the fake mode",
-    "torch._C._current_autograd_node":
-        "predict/fakeworld.py: a late free inside autograd's backward (gloo's buffers)",
-    "torch._prims_common.is_non_overlapping_and_dense_or_false":
-        "predict/fakeworld.py: whether a storage is one dense block",
     "torch.ops.aten._softmax": "predict/rates.py: a measured rate; predict/hardware.py: memory-bound",
     "torch.ops.aten._softmax_backward_data": "predict/hardware.py: a memory-bound op",
     "torch.ops.aten._log_softmax": "predict/hardware.py: a memory-bound op",
