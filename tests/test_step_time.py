@@ -166,7 +166,7 @@ def test_a_composed_models_step_time_plays_a_simulated_stream(monkeypatch):
 
     cfg = ddpkit.TrainConfig(model="gpt", n_blocks=9, width=32, seq_len=8, micro_batch=2,
                              world_size=2)
-    values = (None, [i % 2 == 0 for i in range(9)])
+    values = (None,)  # a setting alike on every block: the stream extended from 3 and 4 blocks
     whole = {i: step_time(cfg.replace(checkpoint=v), machine=machine()).seconds
              for i, v in enumerate(values)}
     monkeypatch.setattr(peak, "SCALE_ABOVE", 0)  # every model composed
