@@ -243,6 +243,13 @@ def test_the_readme_starts_an_attendee_in_two_commands_and_holds_the_measured_ta
     block = re.search(r"<!-- facilitator table: python -m bench.curriculum --write -->\n(.*?)\n"
                       r"<!-- end of the facilitator table -->", readme, re.S)[1]
     assert block == curriculum.facilitator_table()
+    # and every other place that says the curriculum's times, from the same measurement (one
+    # command writes them all: python -m bench.curriculum --write)
+    from bench import curriculum as bench
+
+    measured = curriculum.timings()
+    assert bench.readme_row(measured) in readme.splitlines()
+    assert bench.results_section(measured) in (ROOT / "bench" / "results.md").read_text()
 
 
 def test_the_verdict_names_the_long_notebooks_scaled_to_this_machine():
