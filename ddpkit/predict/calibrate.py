@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 
-import numpy as np
 import torch
 
 from ..config import TrainConfig
@@ -67,52 +66,46 @@ def cache_path(key):
 
 VIEW_WEIGHT = 0.5
 """A view op's dispatch cost in units of another op's (it runs no kernel)."""
+PHASES = ("forward", "backward", "optimizer")
 
 
-def _phase_sums(machine, stream):
-    """Per phase: (seconds of its ops' work, ops dispatched), recompute in the backward as a
-    rank's phase marks count it; the work as it costs alone (factor 1, no dispatch cost)."""
-    bare = dataclasses.replace(machine, overhead={}, factor={})
-    out = {p: [0.0, 0.0] for p in ("forward", "backward", "optimizer")}
-    for op in stream:
-        if not isinstance(op, Op) or op.kind == "collective" or op.phase not in out:
-            continue
-        entry = out[op.phase]
-        entry[0] += bare.op_s(op)
-        entry[1] += VIEW_WEIGHT if op.kind == "view" else 1.0
-    return out
-
-
-def fit_phases(machine, measured, streams):
-    """Each phase's cost per dispatched op and its factor on the ops' own work, fitted (least
-    squares, neither below zero) so the reference steps' streams come to their measured phases;
-    and the step's fixed work (what the step took beyond its phases)."""
-    sums = [_phase_sums(machine, s) for s in streams]
-    overhead, factor = {}, {}
-    for phase in ("forward", "backward", "optimizer"):
-        a = np.array([[s[phase][1], s[phase][0]] for s in sums])
-        b = np.array([m[phase] for m in measured])
-        per_op, scale = _nonnegative(a, b)
-        overhead[phase], overhead[phase + "_view"] = per_op, VIEW_WEIGHT * per_op
-        factor[phase] = scale
+def fit_costs(machine, refs):
+    """From the reference steps (``refs``: (their simulated stream, what a rank measured:
+    phases and each op's own seconds, `rates.reference_phases`)): each op's cost in a rank over
+    its cost run alone (``factor``: by phase and op name, and by phase and kind for the ops the
+    references do not run); each phase's cost per dispatched op (``overhead``: what the phase
+    took beyond its ops' own seconds); and the step's fixed work (beyond its phases)."""
+    alone, inside, kinds, per_op, fixed = {}, {}, {}, {p: [] for p in PHASES}, []
+    for stream, measured in refs:
+        ops = [e for e in stream if isinstance(e, Op) and e.kind != "collective"
+               and e.phase in PHASES]
+        for op in ops:
+            t = machine.replayed.get(replay.key(op.recipe)) if op.recipe is not None else None
+            if t:
+                key = f"{op.phase}/{op.name}"
+                alone[key] = alone.get(key, 0.0) + t
+                kinds[key] = "memory" if op.kind == "memory" else "compute"
+        for key, t in measured["ops"].items():
+            inside[key] = inside.get(key, 0.0) + t
+        for phase in PHASES:
+            own = sum(t for k, t in measured["ops"].items() if k.startswith(phase + "/"))
+            n = sum(VIEW_WEIGHT if op.kind == "view" else 1.0 for op in ops if op.phase == phase)
+            per_op[phase].append(max(0.0, measured[phase] - own) / max(n, 1.0))
+        fixed.append(measured["step"] - sum(measured[p] for p in PHASES))
+    factor = {k: inside[k] / alone[k] for k in alone if inside.get(k)}
+    measured = list(factor)
+    for phase in PHASES:  # the ops no reference runs: their kind's, in their phase
+        for kind in ("memory", "compute"):
+            keys = [k for k in measured if k.startswith(phase + "/") and kinds[k] == kind]
+            if keys:
+                factor[f"{phase}/{kind}"] = (sum(inside[k] for k in keys)
+                                             / sum(alone[k] for k in keys))
+    overhead = {}
+    for phase in PHASES:
+        overhead[phase] = statistics.median(per_op[phase])
+        overhead[phase + "_view"] = VIEW_WEIGHT * overhead[phase]
     overhead["other"], overhead["other_view"] = overhead["forward"], overhead["forward_view"]
-    factor["other"] = factor["forward"]
-    fixed = [m["step"] - m["forward"] - m["backward"] - m["optimizer"] for m in measured]
     return overhead, factor, max(0.0, statistics.median(fixed))
-
-
-def _nonnegative(a, b):
-    """Least squares of ``a @ x = b`` with ``x >= 0`` (two unknowns: try both, then each)."""
-    x = np.linalg.lstsq(a, b, rcond=None)[0]
-    if (x >= 0).all():
-        return float(x[0]), float(x[1])
-    best = None
-    for j in (0, 1):
-        c = max(0.0, float(np.linalg.lstsq(a[:, [j]], b, rcond=None)[0][0]))
-        err = float(np.sum((a[:, j] * c - b) ** 2))
-        if best is None or err < best[0]:
-            best = (err, (c, 0.0) if j == 0 else (0.0, c))
-    return best[1]
 
 
 def _launch(fn, *args, world_size, on_metric=None, **kw):
@@ -220,12 +213,11 @@ def _calibrate_cpu(key, progress):
                           threads=two["threads"], collectives={**two["collectives"],
                                                                **four["collectives"]},
                           comm_cpu_share=two["comm_cpu_share"], key=key)
-        refs = _reference_steps(2, tick)
-        streams = [simulate(cfg, 0).stream for cfg, _ in refs]
-        for stream in streams:
+        refs = [(simulate(cfg, 0).stream, measured) for cfg, measured in
+                _reference_steps(2, tick)]
+        for stream, _ in refs:
             replay.learn(machine, stream)
-        machine.overhead, machine.factor, machine.step_s = fit_phases(
-            machine, [m for _, m in refs], streams)
+        machine.overhead, machine.factor, machine.step_s = fit_costs(machine, refs)
     finally:
         if bar is not None:
             bar.close()

@@ -66,8 +66,10 @@ class Machine:
     """Seconds of each op run again here at its own shapes (`replay`), by its recipe; None
     for an op that could not be rebuilt (its time then comes from the rate tables)."""
     factor: dict = dataclasses.field(default_factory=dict)
-    """By phase: what an op costs inside a real step over what it costs run alone (caches
-    cold, the other rank beside it), fitted on the reference steps; 1 where not fitted."""
+    """What an op costs inside a real step over what it costs run alone (caches cold, its
+    output newly allocated, the other rank beside it), by "phase/op name" as measured on the
+    reference steps, and by "phase/memory" and "phase/compute" for ops they do not run; 1
+    where nothing was measured."""
     key: str = ""
     """What the figures were measured for (host, processor, torch, threads): a cache key."""
     notes: list = dataclasses.field(default_factory=list)
@@ -81,7 +83,7 @@ class Machine:
         work = 0.0
         alone = self.replayed.get(repr(op.recipe)) if op.recipe is not None else None
         if alone is not None and op.kind != "view":
-            return host + self.factor.get(phase, 1.0) * alone
+            return host + self._inside(op) * alone
         if op.kind == "matmul":
             work = self.gemm_s(op.shape, op.dtype)
         elif op.kind == "attention":
@@ -91,7 +93,14 @@ class Machine:
             work = self.memory_s(op.name, op.bytes)
         if self.kind == "roofline":  # the device runs it while the host issues the next ones
             return max(host, work + self.kernel_s) if op.kind != "view" else host
-        return host + self.factor.get(phase, 1.0) * work
+        return host + self._inside(op) * work
+
+    def _inside(self, op):
+        """What ``op`` costs inside a step over what it costs alone: measured for its phase and
+        name on the reference steps, else its phase's and kind's (`calibrate.fit_costs`)."""
+        f = self.factor
+        kind = "memory" if op.kind == "memory" else "compute"
+        return f.get(f"{op.phase}/{op.name}") or f.get(f"{op.phase}/{kind}", 1.0)
 
     def needs_tables(self):
         """Is this a measured machine whose rate tables are not measured yet?"""

@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import policies, strategies
 from ..engine.data import RankBatches, make_dataset
@@ -300,36 +301,61 @@ def tables(threads):
         torch.set_num_threads(before)
 
 
-def reference_phases(ctx, plan, steps=12):
-    """This thread's CPU seconds in each phase of a step of ``plan`` (a `RankPlan`) on this
-    rank (its own model, policy, wrapping and batches, as `engine.loop.train_rank` builds them),
-    the median over the steps after the first three; and the whole step's (``step``). Rank 0's;
+class OpClock(TorchDispatchMode):
+    """Each op's own seconds inside a real step (this thread's CPU time around the op alone),
+    summed by (phase, op name): what an op costs in a rank, caches as the step leaves them and
+    its output newly allocated, beside what it costs run alone (`replay`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase, self.seconds = "", {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.thread_time()
+        out = func(*args, **(kwargs or {}))
+        key = f"{self.phase}/{func._overloadpacket.__name__}"
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.thread_time() - start
+        return out
+
+
+def reference_phases(ctx, plan, steps=12, clocked=4):
+    """A step of ``plan`` (a `RankPlan`) on this rank, as `engine.loop.train_rank` builds it
+    (its model, policy, wrapping and batches): this thread's CPU seconds in each phase and the
+    whole step (``step``), the median over ``steps`` steps after the first three; and ``ops``:
+    each (phase, op)'s own seconds per step (`OpClock`), over ``clocked`` more steps. Rank 0's;
     None elsewhere."""
     model = build_model(plan)[0]
     policies.install(plan, model)
     wrapped, optimizer, _ = strategies.wrap(plan, model, ctx, count_comm=False)
     data = RankBatches(make_dataset(plan), ctx.rank, ctx.world_size, shuffle=False)
-    seconds = {}
+    seconds, clock, consumed = {}, OpClock(), [0]
 
     @contextlib.contextmanager
     def phase(name):
-        start = time.thread_time()
+        start, clock.phase = time.thread_time(), name
         yield
         seconds[name] = seconds.get(name, 0.0) + time.thread_time() - start
-    out, consumed = [], 0
-    for _ in range(steps):
+        clock.phase = ""
+
+    def one_step():
         seconds.clear()
-        batches = data.micro_batches(consumed, plan.micro_batch, plan.accum_steps)
-        consumed += ctx.world_size * plan.micro_batch * plan.accum_steps
+        batches = data.micro_batches(consumed[0], plan.micro_batch, plan.accum_steps)
+        consumed[0] += ctx.world_size * plan.micro_batch * plan.accum_steps
         start = time.thread_time()
         train_step(wrapped, optimizer, batches, accum_steps=plan.accum_steps, no_sync=plan.no_sync,
                    precision=strategies.autocast_precision(plan), loss_fn=plan.loss_fn,
                    phase=phase)
         zero_grad(optimizer)
-        out.append({**seconds, "step": time.thread_time() - start})
+        return {**seconds, "step": time.thread_time() - start}
+    out = [one_step() for _ in range(steps)]
+    with clock:
+        for _ in range(clocked):
+            one_step()
     if ctx.rank:
         return None
-    return {k: statistics.median(o[k] for o in out[3:]) for k in out[0]}
+    result = {k: statistics.median(o[k] for o in out[3:]) for k in out[0]}
+    result["ops"] = {k: v / clocked for k, v in clock.seconds.items()}
+    return result
 
 
 # ----------------------------------------------------------------------------- a CUDA rank
