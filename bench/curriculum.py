@@ -9,7 +9,10 @@ the check can scale these times to another machine.
                                                # ddpkit/workshop/timings.json (the check reads
                                                # them), the README's facilitator table and its
                                                # targets row, bench/results.md's section
-    python -m bench.curriculum 01_launch ...   # some notebooks only (never written)
+    python -m bench.curriculum 01_launch ...   # some notebooks only
+    python -m bench.curriculum --write 16_step_time ...   # and those rows kept in place of
+                                               # their old ones, each with its own date and load
+                                               # (said beside the table: measured apart)
 
 Run it on a quiet machine: a facilitator plans with these figures.
 """
@@ -92,6 +95,8 @@ def results_section(measured):
             for name, m in measured["notebooks"].items()]
     total = total_s(measured)
     met = "met" if total < TARGET_S else "MISSED"
+    apart = [f"{name}.ipynb on {m['date']} (load average {m['load']})"
+             for name, m in measured["notebooks"].items() if "date" in m]
     return "\n".join([
         "### Curriculum under nbmake (`python -m bench.curriculum`)", "",
         f"{len(rows)} notebooks, one after another, each in a fresh kernel, on {measured['date']}. "
@@ -100,6 +105,8 @@ def results_section(measured):
         "writes this section, the README's facilitator table and targets row, and "
         "`ddpkit/workshop/timings.json` from one run.", "",
         table(["notebook", "time", "memory"], rows), "",
+        *([f"Measured apart from the others, after a change: {', '.join(apart)}.", ""]
+          if apart else []),
         f"total {total:.0f} s ({total / 60:.1f} min); target under {TARGET_S // 60} min: {met}",
         "", ""])
 
@@ -145,14 +152,26 @@ def main(argv=None):
     print(f"the check's fixed job: {probe:.3f} s; load average {measured['load']}\n")
     if not chosen:
         print(curriculum.facilitator_table(measured))
-    if write and not chosen and not failed:
+    if write and not failed:
+        if chosen:  # these rows in place of their old ones, each saying when it was measured
+            rows = {name: dict(row, date=measured["date"], load=measured["load"])
+                    for name, row in rows.items()}
+            measured = merged(json.loads(TIMINGS.read_text()), rows)
         TIMINGS.write_text(json.dumps(measured, indent=1) + "\n")
         write_readme(measured)
         print(f"\nwritten: {TIMINGS.relative_to(ROOT)}, README.md's facilitator table and "
               "targets row, bench/results.md's section")
     elif write:
-        print("\nnot written: " + ("some notebooks only" if chosen else f"failed: {failed}"))
+        print(f"\nnot written: failed: {failed}")
     return measured
+
+
+def merged(kept, rows):
+    """``kept`` (timings.json) with ``rows`` in place of its rows of those notebooks, in the
+    curriculum's order; the machine, load and date it states stay those of its full run."""
+    every = {**kept["notebooks"], **rows}
+    return dict(kept, notebooks={nb.name: every[nb.name] for nb in curriculum.NOTEBOOKS
+                                 if nb.name in every})
 
 
 if __name__ == "__main__":
