@@ -352,7 +352,8 @@ def wait_for_points(page, fig, name, done, what, timeout_s=120):
         if y and done(y):
             return y
         assert time.monotonic() < deadline, (f"{what} points never came: {name!r} held", y[-10:],
-                                             len(y))
+                                             len(y), [len(t["y"]) for t in
+                                                      traces_named(page, fig, name)])
         page.wait_for_timeout(300)
 
 
@@ -410,7 +411,8 @@ def test_lab_in_a_real_browser(jupyter):
         # cell ends on busy cores. The kernel says how many steps the run made; wait for them all
         last_run = int(re.search(r"scripted demo done: (\d+) steps", said)[1])
         assert last_run > 8  # past the first run's 8 steps
-        wait_for_points(page, 0, "rank 0", lambda y: len(y) == last_run, "the scripted run's")
+        wait_for_points(page, 0, "rank 0", lambda y: len(y) == last_run,
+                        f"the scripted run's {last_run}")
         # the live plots found by what plotly drew, not by classes a view may never get (one
         # drawn under two busy cores never got them): with theirs taken off, each plot still
         # gains the run's points
