@@ -31,6 +31,7 @@ from .predict.planner import plan
 from .predict.calibrate import calibrate
 from .spec.setting import CheckpointSetting
 from .rank.context import Context
+from .runs.prose import say
 from .runs.result import TrainResult
 from .runs.sweep import sweep
 from .runs.train import train
@@ -52,5 +53,5 @@ def __getattr__(name):
 
 __all__ = ["CheckpointSetting", "calibrate", "Context", "Estimate", "Finding", "Pool", "RankError",
            "RankStalled", "RunHandle", "RunResult", "TraceError", "TrainConfig", "TrainResult",
-           "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan", "shutdown",
-           "sweep", "train"]
+           "doctor", "estimate", "fits", "largest_micro_batch", "launch", "plan", "say",
+           "shutdown", "sweep", "train"]

@@ -1,8 +1,15 @@
 """Each notebook runs in a fresh kernel under nbmake; one that leaves a process behind fails.
 
 After a notebook's kernel has shut down, no process that was started while it ran may still be
-alive (ranks notice a dead kernel within a second and exit: launcher docs)."""
+alive (ranks notice a dead kernel within a second and exit: launcher docs).
+
+Each notebook also gets a calibration cache of its own (``DDPKIT_CACHE``, an empty folder its
+kernel inherits, removed after it): a notebook that calibrates this machine (16) keeps its
+calibration to itself. With one in a shared cache every later notebook's ``train`` would predict
+its step beside the run (a simulated step each), and run slower for it."""
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,9 +47,12 @@ def _spawned():
 
 def pytest_runtest_setup(item):
     item.stash[_KEY] = _spawned()
+    item.stash[_CACHE] = os.environ.get("DDPKIT_CACHE")
+    os.environ["DDPKIT_CACHE"] = tempfile.mkdtemp(prefix="ddpkit-notebook-cache-")
 
 
 def pytest_runtest_teardown(item, nextitem):
+    _own_cache_ends(item)
     before = item.stash.get(_KEY, set())
     deadline = time.monotonic() + 5
     while True:
@@ -60,4 +70,12 @@ def pytest_runtest_teardown(item, nextitem):
         time.sleep(0.2)
 
 
+def _own_cache_ends(item):
+    """The notebook's calibration cache removed, and the one before it back."""
+    shutil.rmtree(os.environ.pop("DDPKIT_CACHE", ""), ignore_errors=True)
+    if item.stash.get(_CACHE, None) is not None:
+        os.environ["DDPKIT_CACHE"] = item.stash[_CACHE]
+
+
 _KEY = pytest.StashKey[set]()
+_CACHE = pytest.StashKey[object]()

@@ -312,6 +312,34 @@ def test_long_runs_are_thinned_with_a_few_full_sends():
     assert len(plots.points("loss")) == 2000  # the kernel keeps every point
 
 
+def test_a_run_that_ends_sends_every_trace_in_full_to_the_page_last():
+    """The feeder draws at the page's pace: extends it has not drawn when the run ends would
+    land on the figures' synced state and show those points twice. The end's full copies,
+    sent after every extend, take their place in the feeder's queue."""
+    import ipywidgets as W
+
+    plots = ddpkit.LivePlots(world_size=2)
+    sent, send = [], W.Widget._send
+    W.Widget._send = lambda self, msg, buffers=None: (
+        sent.append(msg["content"]) if self is plots.feeder else None)
+    try:
+        for s in range(12):
+            for rec in _records(s):
+                plots.add(rec)
+            plots.flush(force=True)
+        plots.sync()
+    finally:
+        W.Widget._send = send
+    last = sent[-1]
+    assert not last["extend"]
+    full = {(key, i): ys[k] for key, idx, _, ys in last["replace"] for k, i in enumerate(idx)}
+    for t in plots._traces.values():  # every trace, as the kernel holds it
+        key = t.fig.layout.meta
+        i = next(k for k, tr in enumerate(t.fig.data) if tr is t.trace)
+        assert full[key, i] == t.thinned()[1] == list(t.trace.y)
+    assert len(full[plots.loss.layout.meta, 0]) == 12
+
+
 def test_the_planner_box_sets_the_block_toggles_to_the_plan():
     cfg = ddpkit.TrainConfig(**{**CFG, "model": "gpt", "width": 32, "optimizer": "adamw"})
     with ddpkit.Lab(cfg) as lab:

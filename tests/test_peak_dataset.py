@@ -51,3 +51,32 @@ def test_the_runs_peak_is_its_own_whatever_another_thread_frees():
     for a, b in zip(sorted(racy.metrics, key=key), sorted(plain.metrics, key=key), strict=True):
         assert a["data_bytes"] == b["data_bytes"] > 0
         assert abs(a["peak_bytes"] - b["peak_bytes"]) <= 256, (a["peak_bytes"], b["peak_bytes"])
+
+
+def test_a_block_another_thread_frees_in_the_step_leaves_the_ledger_there():
+    # gloo drops FSDP's all-gather and reduce-scatter buffers on its own thread, where the
+    # probe's window records no free: only c10's running total drops. The ledger ended such a
+    # block nowhere, so it stayed a temporary and "other" came out negative (notebook 06's
+    # FSDP rank: other -4,736 B, and -33,656 B)
+    probe = PeakProbe("cpu")
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    held = {}
+    with probe.step(model, opt):
+        with probe.phase("forward"):
+            held["x"] = torch.ones(2**14)  # 64 KiB, let go of on another thread
+            freer = threading.Thread(target=held.clear)
+            freer.start()
+            freer.join()
+            peak = torch.ones(2**15)  # 128 KiB: the step's highest moment, without x
+        del peak
+    ledger = probe.peak.ledger
+    assert ledger["temporaries"] == 2**17 and ledger["other"] >= 0, ledger
+    assert sum(ledger.values()) == probe.peak.bytes
+
+
+def test_a_peak_refuses_a_negative_ledger_entry():
+    from ddpkit.engine.memory import Peak
+
+    with pytest.raises(ValueError, match="no negative bytes: {'other': -4736}"):
+        Peak(100, "backward", {"temporaries": 4836, "other": -4736})

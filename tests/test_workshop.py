@@ -173,7 +173,7 @@ def test_check_rows_name_other_problems_and_their_fixes(monkeypatch, without, tm
     without("transformers", "jupyterlab")
     status, found, fix = packages.hf_row()
     assert (status, fix) == ("fail", 'pip install "ddpkit[lab]"')
-    assert found == "transformers is not installed: notebooks 09, 10, 11, 12, 13 and 15 need it"
+    assert found == "transformers is not installed: notebooks 09, 10, 11, 12, 13, 15 and 16 need it"
     assert packages.jupyterlab_row() == ("fail", "jupyterlab is not installed",
                                          'pip install "ddpkit[lab]"')
 
@@ -200,7 +200,7 @@ def test_the_workshop_checks_before_it_starts_jupyterlab(monkeypatch, without, t
     assert workshop(tmp_path / "course") == 1
     out = capsys.readouterr().out
     copied, table, missing = out.split("\n", 1)[0], out.split("\n", 1)[1], out.splitlines()[-1]
-    assert copied.endswith(f"course: 15 notebooks (15 copied), "
+    assert copied.endswith(f"course: 16 notebooks (16 copied), "
                            f"{len(list((ROOT / 'notebooks' / 'images').iterdir()))} images.")
     assert "verdict: not ready: fix loopback, jupyterlab" in table
     assert missing == 'JupyterLab is not installed: pip install "ddpkit[lab]"'
@@ -243,6 +243,13 @@ def test_the_readme_starts_an_attendee_in_two_commands_and_holds_the_measured_ta
     block = re.search(r"<!-- facilitator table: python -m bench.curriculum --write -->\n(.*?)\n"
                       r"<!-- end of the facilitator table -->", readme, re.S)[1]
     assert block == curriculum.facilitator_table()
+    # and every other place that says the curriculum's times, from the same measurement (one
+    # command writes them all: python -m bench.curriculum --write)
+    from bench import curriculum as bench
+
+    measured = curriculum.timings()
+    assert bench.readme_row(measured) in readme.splitlines()
+    assert bench.results_section(measured) in (ROOT / "bench" / "results.md").read_text()
 
 
 def test_the_verdict_names_the_long_notebooks_scaled_to_this_machine():
@@ -403,7 +410,7 @@ def _wheel_workshop(tmp_path):
     # of it is tested in test_the_workshop_checks_before_it_starts_jupyterlab
     first = _start_workshop(env, tmp_path, "course", "--no-browser", "--no-check")
     out = _read_until(first, "JupyterLab is at ")
-    assert "15 notebooks (15 copied)" in out, out
+    assert "16 notebooks (16 copied)" in out, out
     url = re.search(r"JupyterLab is at (http://127\.0\.0\.1:(\d+)/lab\?token=\w+)", out)
     assert url, out
     server = next(p for p in psutil.Process(first.pid).children() if "jupyterlab" in
@@ -423,7 +430,7 @@ def _wheel_workshop(tmp_path):
     second = _start_workshop(env, tmp_path, "course", "--no-browser", "--no-check")
     out = _read_until(second, "kept your 01_launch.ipynb")
     beside = f"01_launch.ddpkit-{curriculum.version()}.ipynb"
-    assert "15 notebooks (14 up to date, 1 kept)" in out and f"beside it as {beside}" in out, out
+    assert "16 notebooks (15 up to date, 1 kept)" in out and f"beside it as {beside}" in out, out
     _stop_and_check_nothing_left(second, tmp_path)  # stopped as JupyterLab starts
     assert json.loads(nb.read_text())["cells"][0]["source"] == ["my notes"]
     assert (tmp_path / "course" / beside).read_bytes() == \

@@ -7,8 +7,9 @@ imports the config, the launcher or the rank's plumbing).
 synthetic data, your dataset, per-rank batches) · `strategies.py` (ddp, ZeRO-1, ZeRO-2, FSDP,
 HSDP: wrap after checkpointing; compression hooks) · `step.py` (one optimizer step,
 rank-agnostic) · `probes.py` (activations, comm hook, time, FLOPs) · `collectives.py` (every
-collective, counted at the dispatcher) · `memory.py` (the step's peak: Peak, its ledger, the
-CPU/CUDA probe) · `measure.py` (the probes a run turned on and when each reads) ·
+collective, counted at the dispatcher) · `memory.py` (the step's peak: Peak, the CPU/CUDA
+probe) · `ledger.py` (what the bytes at a moment of the step are, frees on gloo's thread
+included) · `measure.py` (the probes a run turned on and when each reads) ·
 `timeline.py` (the timeline probe and the simulated link) · `saving.py` (atomic checkpoints,
 exact resume) · `loop.py` (`train_rank`: the loop each rank runs).
 """

@@ -33,12 +33,9 @@ on a rank) and a prediction (`ddpkit.predict.simulate`, a simulated step under F
 ``peak_bytes`` leaves out what was allocated before the job and the dataset (on a GPU run it
 stays in host memory; `data_bytes` says how much it is).
 
-**The ledger** (`ledger_at`): the blocks live at the peak, each named by what it was seen to be:
-parameters at the step's start, gradients and optimizer state at its end, DDP's buckets (the
-comm hook's buffers), activations (what the forward saved for backward), FSDP's buffers
-(allocated inside FSDP's all-gather and reduce-scatter); every other block allocated in the
-step is a temporary, every other block from before it is "other" (the micro-batch, small
-buffers). Prediction and measurement classify with this same function.
+**The ledger** (`ledger.Ledger`, which `summarize` reads): the blocks live at the peak, each
+named by what it was seen to be (`ledger.KINDS`), blocks freed on another thread (gloo's)
+ended where the allocator's total drops; prediction and measurement classify alike.
 """
 from __future__ import annotations
 
@@ -48,16 +45,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocations import allocation_events, cpu_accounting, cpu_allocated, window
+from .ledger import KINDS, Ledger, ledger_at, unseen_frees  # noqa: F401 (the simulation reads
+# Ledger and ledger_at here, beside summarize)
 
-KINDS = ("parameters", "gradients", "optimizer_state", "ddp_buckets", "fsdp_buffers",
-         "activations", "temporaries", "other")
-"""What the bytes at the peak are, in the order a ledger lists them."""
 PHASES = ("forward", "backward", "optimizer")
 TIE = 1e-3
 """Two phases whose highest moments are within this fraction are tied: the earlier is named."""
-# when a block was seen as two things, the first of these names it (a gradient that is a view
-# of a DDP bucket with gradient_as_bucket_view=True is a bucket)
-_PRIORITY = ("parameters", "optimizer_state", "ddp_buckets", "gradients", "activations")
 
 
 @dataclass
@@ -79,6 +72,9 @@ class Peak:
 
     def __post_init__(self):
         self.ledger = {k: int(self.ledger.get(k, 0)) for k in KINDS}
+        negative = {k: v for k, v in self.ledger.items() if v < 0}
+        if negative:  # bytes counted live that the allocator had freed: a ledger's own fault
+            raise ValueError(f"a peak's ledger holds no negative bytes: {negative} in {self!r}")
 
     def table(self):
         """The ledger as a pandas Series in bytes, largest first."""
@@ -108,68 +104,7 @@ def phase_of(by_phase):
     return next(p for p, b in by_phase.items() if b >= top * (1 - TIE))
 
 
-# ----------------------------------------------------------------------------- the ledger
-class Ledger:
-    """Bytes by kind at any event of a step (`at`).
-
-    ``events``: allocator events in time order, each ``(size, key, fsdp)`` (size < 0 frees the
-    block at ``key``; ``fsdp``: allocated inside FSDP's collectives). ``base``: bytes live
-    before the first event (what the job had before the step, less what it leaves out).
-    ``census``: kind -> {key: bytes} of blocks live before the step, known by kind.
-    ``seen``: (kind, key, index) observations: the block at ``key`` live at event ``index`` is
-    of that kind (``len(events)``: after the last event). Keys are allocation addresses (a
-    rank) or StorageImpl ids (a simulation).
-    """
-
-    def __init__(self, events, base, census, seen):
-        census = _pre_step(events, census)
-        self.blocks, live, self.pre_freed = [], {}, []
-        for i, (size, key, fsdp) in enumerate(events):
-            if size > 0:
-                live[key] = len(self.blocks)
-                self.blocks.append([i, len(events) + 1, size, key, fsdp])  # alive past the end
-            else:
-                j = live.pop(key, None)
-                if j is None:
-                    self.pre_freed.append((i, -size, key))  # a block from before the step
-                else:
-                    self.blocks[j][1] = i
-        by_key = {}
-        for b in self.blocks:
-            by_key.setdefault(b[3], []).append(b)
-        self.kind_of = {}
-        for kind, key, index in seen:
-            for b in by_key.get(key, ()):
-                if b[0] <= index < b[1]:
-                    old = self.kind_of.get(id(b))
-                    if old is None or _PRIORITY.index(kind) < _PRIORITY.index(old):
-                        self.kind_of[id(b)] = kind
-        # before the step: the known kinds, the rest "other"
-        self.before, self.pre_kind = dict.fromkeys(KINDS, 0), {}
-        for kind in _PRIORITY:
-            for key, size in census.get(kind, {}).items():
-                if key not in self.pre_kind:
-                    self.pre_kind[key] = kind
-                    self.before[kind] += size
-        self.before["other"] = base - sum(self.before.values())
-
-    def at(self, index):
-        out = dict(self.before)
-        for i, size, key in self.pre_freed:  # what the step freed of them up to `index`
-            if i <= index:
-                out[self.pre_kind.get(key, "other")] -= size
-        for b in self.blocks:
-            if b[0] <= index < b[1]:
-                kind = self.kind_of.get(id(b)) or ("fsdp_buffers" if b[4] else "temporaries")
-                out[kind] += b[2]
-        return out
-
-
-def ledger_at(events, at, base, census, seen):
-    """`Ledger` of the events, at event ``at``."""
-    return Ledger(events, base, census, seen).at(at)
-
-
+# ----------------------------------------------------------------------------- the peak
 def summarize(events, totals, base, census, seen):
     """The `Peak` of a step from its allocator events, measured or simulated alike.
 
@@ -189,9 +124,9 @@ def summarize(events, totals, base, census, seen):
     if at is None:
         return None
     compact = [e[:3] for e in events]
-    ledger = ledger_at(compact, at, base, census, seen)
     # blocks of threads the events do not see (gloo's) move the total without an event
-    ledger["other"] += totals[at] - sum(ledger.values())
+    ledger = Ledger(compact, base, census, seen, unseen_frees(compact, totals, base))
+    ledger = ledger.settle(at, totals[at])
     return Peak(totals[at], phase_of(by_phase), ledger,
                 {p: by_phase[p] for p in PHASES if p in by_phase}, base=base)
 
@@ -311,9 +246,10 @@ class PeakProbe:
             self.peak = None
             return
         if armed:  # the boundary, plus what this window allocated and freed
-            base, totals, running = self.boundary, [], self.boundary
-            for e in events:
-                running += e[1]
+            base, totals, running, live = self.boundary, [], self.boundary, {}
+            for e in events:  # an address allocated again was freed on another thread first
+                running += e[1] - (live.get(e[2], 0) if e[1] > 0 else 0)
+                live[e[2]] = max(e[1], 0)
                 totals.append(running)
         else:  # c10's count of every byte since before the model was built
             base = events[0][3] - events[0][1] - self.excluded
@@ -376,12 +312,3 @@ def _index_at(times, t):
 
     return max(bisect.bisect_right(times, t) - 1, 0)
 
-
-def _pre_step(events, census):
-    """The census of blocks from before the step: keys allocated in the step are new blocks,
-    not these (DDP's rebuilt buckets at step 1 are new; the first ones were there before)."""
-    fresh = {key for size, key, _ in events if size > 0}
-    out = {}
-    for kind, blocks in census.items():
-        out[kind] = {k: v for k, v in blocks.items() if k not in fresh or kind == "parameters"}
-    return out

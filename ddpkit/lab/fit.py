@@ -36,6 +36,8 @@ figure when a run ends, `LivePlots.sync`).
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 
 import anywidget
 
@@ -100,7 +102,10 @@ def _figure_class():
         class HeldFigureWidget(go.FigureWidget):
             """A ``FigureWidget`` whose comm stays closed, made with ``held=True``, until
             `opened`: ipywidgets opens a comm in ``__init__``; this one waits until it is
-            whole. Made without ``held`` (plotly's own copies), it is a plain FigureWidget."""
+            whole. Made without ``held`` (plotly's own copies), it is a plain FigureWidget.
+            Its front end is plotly's, loaded once per page (`shared_esm`)."""
+
+            _esm = shared_esm(go.FigureWidget._esm)
 
             def __init__(self, *args, held=False, **kwargs):
                 self._held = held  # read by open(), which ipywidgets' __init__ calls
@@ -140,6 +145,24 @@ def _figure_class():
 
         _Figure = HeldFigureWidget
     return _Figure
+
+
+def shared_esm(esm):
+    """Plotly's widget module (``esm``: its five megabytes of source) as a module that the page
+    imports once and every figure of it reuses. anywidget imports each model's module anew and
+    gives the model two seconds to load and start it; past that it drops every later message to
+    the model ("[anywidget] Failed to initialize model": a plot that never updates). A Lab made
+    six figures at once, six imports of plotly on the page's one thread: under load they took
+    17 s (one import 2.6 s) and the plots stayed blank. Shared, a page pays plotly once: a Lab
+    shown again (the cell run again) starts at once."""
+    source = str(esm)
+    key = "__ddpkitPlotly_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+    return (f"// plotly's widget module, imported once per page and shared by every figure\n"
+            f"const key = {json.dumps(key)};\n"
+            f"const source = {json.dumps(source)};\n"
+            "window[key] ??= import(URL.createObjectURL(new Blob([source], "
+            "{type: 'text/javascript'})));\n"
+            "export default (await window[key]).default;\n")
 
 
 def held(layout):

@@ -330,8 +330,9 @@ class LivePlots:
             self.timing.layout.yaxis2.dtick = dtick
             self.timing.layout.yaxis2.tickformat = "d"
 
-    def _send(self):
-        """One message with every trace's new points; full re-sends only when thinning."""
+    def _send(self, full=False):
+        """One message with every trace's new points; full re-sends only when thinning, or of
+        every trace (``full``)."""
         extend, replace = {}, {}
 
         def put(into, t, xs, ys):
@@ -343,7 +344,7 @@ class LivePlots:
             all_ys.append(ys)
 
         for t in self._traces.values():
-            new = t.take_new(self.max_points)
+            new = None if full else t.take_new(self.max_points)
             if new is None:  # rare: the stride just doubled; the thinned trace goes in full
                 xs, ys = t.thinned()
                 put(replace, t, xs, ys)
@@ -360,12 +361,16 @@ class LivePlots:
 
     def sync(self):
         """Write the points the browser shows into the FigureWidgets' own state (one full send
-        per trace; the lab calls it when a run ends), so a re-rendered view is complete."""
+        per trace; the lab calls it when a run ends), so a re-rendered view is complete; and the
+        same points to the feeder in full, last: a page behind on busy cores still holds
+        extends the feeder has not drawn, which would land on top of the figure's new state and
+        show those points twice (70 where the run made 54). A full copy takes their place."""
         for fig in self.figures:
             with fig.batch_update():
                 for t in self._traces.values():
                     if t.fig is fig:
                         t.trace.x, t.trace.y = t.thinned()
+        self._send(full=True)
 
     def points(self, key, rank=0):
         """Every value a trace has received this run (tests read this)."""

@@ -8,5 +8,6 @@ point, measured beside predicted) · `timeline.py` (the timeline's rows as DataF
 communication, DDP's own statistics beside them) · `figures.py` (the static figures:
 swimlanes measured and predicted, exposed communication, bytes sent by collective) ·
 `report.py` (the trade-off, the demo's HTML report) · `demo.py` (``ddpkit demo``: a sweep
-written as that report).
+written as that report) · `prose.py` (`say`: a sentence with its figures, from the values:
+Markdown in a notebook, plain text elsewhere).
 """

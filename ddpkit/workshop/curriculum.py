@@ -1,4 +1,4 @@
-"""The curriculum: the 15 notebooks, what each teaches and needs, where this install keeps them,
+"""The curriculum: the 16 notebooks, what each teaches and needs, where this install keeps them,
 their copy into an attendee's folder, and the facilitator's table.
 
 The notebooks live at the repository's top level (``notebooks/``). The wheel carries a copy made
@@ -65,6 +65,8 @@ NOTEBOOKS = (
                             "slow link"),
     Notebook("15_reading_list", "the papers' claims (ZeRO, PowerSGD, LoRA) from real runs",
              ranks=4, packages=("transformers", "peft")),
+    Notebook("16_step_time", "how fast: a step's time predicted beside measured, then on 8 "
+                             "and 32 H100s (predictions)", packages=("transformers",)),
 )
 BY_NAME = {nb.name: nb for nb in NOTEBOOKS}
 
@@ -213,8 +215,11 @@ def facilitator_table(measured=None):
     total = sum(m["seconds"] for m in measured["notebooks"].values())
     track = sum(measured["notebooks"][name]["seconds"] for name, _ in SHORT_TRACK)
     steps = " → ".join(f"{name[:2]} ({minutes} min)" for name, minutes in SHORT_TRACK)
+    apart = [f"{nb.number} (load average {measured['notebooks'][nb.name]['load']})"
+             for nb in NOTEBOOKS if "load" in measured["notebooks"][nb.name]]
     return "\n".join(rows + [
         "", f"All {len(NOTEBOOKS)} run in {total / 60:.0f} min of computing "
-            f"({measured['machine']}; load average {measured['load']}).",
+            f"({measured['machine']}; load average {measured['load']}"
+            + (f"; measured apart, after a change: {', '.join(apart)}" if apart else "") + ").",
         "", f"**60-minute short track** (no transformers needed; "
             f"{track / 60:.1f} min of it is computing): {steps}."])
