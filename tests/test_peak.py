@@ -201,7 +201,7 @@ def _mapped_on_its_own(ctx):
 
 def test_cpu_ranks_fix_glibcs_mmap_threshold_unless_told_not_to(monkeypatch):
     # issue #41: with glibc's dynamic threshold a CPU rank's resident memory peaked at up to
-    # 3.26x its tensors'; fixed at 128 KiB, 1.05x (bench/results.md). CPU ranks fix it
+    # 3.26x its tensors'; fixed at 128 KiB, 1.074x (bench/results.md). CPU ranks fix it
     monkeypatch.delenv("DDPKIT_MMAP_THRESHOLD", raising=False)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     fixed = ddpkit.launch(_mapped_on_its_own, world_size=2, pool="shared", backend="gloo",

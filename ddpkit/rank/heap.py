@@ -5,7 +5,7 @@ own, handed back to the system when the block is freed; after such a block is fr
 the threshold to that block's size (up to 32 MiB), so later blocks of that size come from the
 heap, which keeps freed memory resident and fragments. Measured on ddpkit's CPU ranks at real
 sizes (``bench/results.md``: ``bench.peak``, ``bench.malloc``), a rank's resident peak was
-1.16-3.26x its tensors' peak that way, and 1.04-1.05x with the threshold fixed at 128 KiB
+1.16-3.26x its tensors' peak that way, and 1.024-1.074x with the threshold fixed at 128 KiB
 (``MALLOC_MMAP_THRESHOLD_=131072``, glibc's own variable; a fixed threshold is never raised).
 
 `fix_threshold` runs when a CPU rank starts: it fixes the threshold (``mallopt``) at
