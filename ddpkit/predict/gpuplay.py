@@ -43,7 +43,7 @@ mixed precision runs without autocast.
 """
 from __future__ import annotations
 
-from .marks import ddp_buckets, timeline_row
+from .marks import ddp_buckets, lanes, timeline_row
 from .optrace import Mark, Op
 
 NO_KERNEL = frozenset({
@@ -178,11 +178,8 @@ def play_cuda(stream, machine, *, ranks, rank=0, caps=(2**20, 25 * 2**20)):
     """Play a CUDA rank's simulated ``stream`` on ``machine`` (a named device's roofline or a
     GPU's calibration): (seconds, ledger, rows, comm spans), as `player.play` returns."""
     r = CudaRank(machine, ranks)
-    rows, opened = [], {}
+    (rows, row), opened = lanes(rank), {}
     launches = ddp_buckets(stream, caps)
-
-    def row(kind, name, start, end, micro, nbytes=0):
-        rows.append((rank, 0, micro, kind, name, start, end, nbytes))
 
     for i, e in enumerate(stream):
         if isinstance(e, Op):

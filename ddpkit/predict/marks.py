@@ -34,6 +34,16 @@ def ddp_buckets(stream, caps):
     return out
 
 
+def lanes(rank):
+    """The timeline's rows a player writes, and the function that adds one (``rank``'s, step
+    0: a player plays one step)."""
+    rows = []
+
+    def row(kind, name, start, end, micro, nbytes=0):
+        rows.append((rank, 0, micro, kind, name, start, end, nbytes))
+    return rows, row
+
+
 def timeline_row(e, t, opened, row):
     """Turn marks into the timeline's rows as the rank's probe names them: a block's forward,
     backward and recompute; the forward's stem and head, the backward's head and stem."""

@@ -17,7 +17,7 @@ ring over that link would be done, buckets one after another on it, as the rank'
 from __future__ import annotations
 
 from ..engine.timeline import ring_allreduce_s
-from .marks import ddp_buckets, timeline_row
+from .marks import ddp_buckets, lanes, timeline_row
 from .optrace import Op
 
 LEDGER = ("forward", "backward", "recompute", "exposed_comm", "optimizer", "other")
@@ -101,11 +101,8 @@ def play(stream, machine, *, ranks, slowdown=1.0, link=None, rank=0, caps=(2**20
     ``caps``: DDP's bucket caps in bytes (the first bucket's, the others')."""
     p = Player(machine, ranks, slowdown, link)
     p.compute(machine.step_s, "other")
-    rows, opened = [], {}
+    (rows, row), opened = lanes(rank), {}
     launches = ddp_buckets(stream, caps)
-
-    def row(kind, name, start, end, micro, nbytes=0):
-        rows.append((rank, 0, micro, kind, name, start, end, nbytes))
 
     for i, e in enumerate(stream):
         if isinstance(e, Op):
