@@ -1,8 +1,10 @@
 """What glibc's dynamic mmap threshold does to a CPU rank: resident memory beside the tensors, and
 what fixing the threshold at 128 KiB (``mallopt``, as ``MALLOC_MMAP_THRESHOLD_=131072`` would:
-what ddpkit's CPU ranks do by default, `ddpkit.rank.heap`) costs in step time.
+what ddpkit's CPU ranks do under ``DDPKIT_MMAP_THRESHOLD=131072``, `ddpkit.rank.heap`) costs in
+step time.
 
     python -m bench.malloc [--rounds 4] [--steps 9] [--rows gpt2,gpt2_512,gpt]
+    python -m bench.malloc --rows gpt256 --rounds 2 --steps 10 --thresholds dynamic,131072,1048576,4194304
 
 glibc serves a block of at least its mmap threshold (128 KiB at first) with its own mapping and
 unmaps it when freed; after such a block is freed it raises the threshold to that block's size
@@ -31,7 +33,7 @@ from bench.peak import gpt2_small
 from ddpkit import devices
 
 VAR = devices.MMAP_ENV  # DDPKIT_MMAP_THRESHOLD: what CPU ranks fix glibc's threshold at
-FIXED = str(devices.MMAP_DEFAULT)
+FIXED = str(devices.MMAP_TIGHT)
 PEAK_EVERY = 3  # probed: steps 0, 1, 4, 7, ...; timed: 2, 3, 5, 6, 8, ...
 
 
@@ -42,6 +44,9 @@ def rows(steps):
                                                         micro_batch=1, **run)),
             "gpt2_512": ("GPT-2 small s512 b1 AdamW", dict(model=gpt2_small, seq_len=512,
                                                             micro_batch=1, **run)),
+            "gpt256": ("gpt 4 blocks width 256 s128 b4 AdamW (bench.step_time's)",
+                       dict(model="gpt", n_blocks=4, width=256, seq_len=128, vocab=256,
+                            micro_batch=4, **run)),
             "gpt": ("gpt 4 blocks width 64 (bench.overhead's)",
                     dict(model="gpt", n_blocks=4, width=64, seq_len=32, micro_batch=4,
                          accum_steps=2, checkpoint=2, **{**run, "optimizer": "sgd"}))}
@@ -61,14 +66,16 @@ def timed_train(ctx, cfg):
 
     ctx.log = with_cpu
     try:
-        return train_rank(ctx, cfg, return_weights=False)
+        return train_rank(ctx, cfg.rank_plan(), return_weights=False)
     finally:
         ctx.log = log
 
 
 def _run(cfg, fixed):
+    """One run with the threshold fixed at 128 KiB (``fixed`` True), dynamic (False), or at
+    ``fixed`` itself where it is a `DDPKIT_MMAP_THRESHOLD` value (a string)."""
     old = os.environ.pop(VAR, None)
-    os.environ[VAR] = FIXED if fixed else devices.MMAP_DYNAMIC
+    os.environ[VAR] = fixed if isinstance(fixed, str) else FIXED if fixed else devices.MMAP_DYNAMIC
     try:
         res = ddpkit.launch(timed_train, cfg, world_size=cfg.world_size, backend=cfg.backend,
                             device=cfg.device)
@@ -98,13 +105,42 @@ def _cell(pairs):
     return f"**{ratio:.3f}x** ({lo:.3f}-{hi:.3f})"
 
 
+def sweep(chosen, values, rounds):
+    """Each row at each threshold value, in turn (the order reversed every other round): both
+    ranks' median CPU time per step, rank 0's median wall time, and the largest process /
+    tensors, as a table."""
+    out = []
+    for key, (name, kw) in chosen.items():
+        cfg = ddpkit.TrainConfig(**kw)
+        got = {v: [] for v in values}
+        for i in range(rounds):
+            for v in (values if i % 2 == 0 else values[::-1]):
+                got[v].append(_run(cfg, v))
+        base = statistics.median(r[0][1] for r in got[values[0]])
+        for v in values:
+            cpu = statistics.median(r[0][1] for r in got[v])
+            out.append([name, v, f"{1e3 * cpu:.1f}", f"{cpu / base:.3f}x",
+                        f"{1e3 * statistics.median(r[0][0] for r in got[v]):.1f}",
+                        f"{max(g for r in got[v] for g in r[1]):.3f}"])
+    return table(["row", VAR, "CPU ms / step", f"CPU vs {values[0]}", "wall ms",
+                  "process / tensors (max)"], out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--rows", default="gpt2,gpt2_512,gpt")
+    ap.add_argument("--thresholds", default="",
+                    help="comma-separated DDPKIT_MMAP_THRESHOLD values to sweep instead")
     args = ap.parse_args(argv)
     chosen = {k: v for k, v in rows(args.steps).items() if k in args.rows.split(",")}
+    if args.thresholds:
+        load = os.getloadavg()
+        text = (f"{args.rounds} rounds, {machine()}, load average at the start {load[0]:.2f}\n\n"
+                + sweep(chosen, args.thresholds.split(","), args.rounds) + "\n")
+        print(text)
+        return text
     load = os.getloadavg()
     out = []
     for key, (name, kw) in chosen.items():

@@ -233,11 +233,11 @@ def slurm_tasks_on_this_node():
     return int(env["SLURM_NTASKS_PER_NODE"]) if env.get("SLURM_NTASKS_PER_NODE") else None
 
 
-# A CPU rank's heap: glibc's mmap threshold, fixed by each CPU rank at its start (`rank.heap`)
-# as the kernel's environment says, so that the kernel knows it too (the allocator's allowance
-# `predict.gpus` budgets, the check before a launch)
+# A CPU rank's heap: glibc's mmap threshold, left to glibc (dynamic) unless the kernel's
+# environment fixes it, in which case each CPU rank fixes it at its start (`rank.heap`); the
+# kernel reads the same (the allocator's allowance `predict.gpus` budgets, the check before a launch)
 MMAP_ENV, GLIBC_MMAP_ENV = "DDPKIT_MMAP_THRESHOLD", "MALLOC_MMAP_THRESHOLD_"
-MMAP_DEFAULT, MMAP_DYNAMIC = 131072, "dynamic"
+MMAP_TIGHT, MMAP_DYNAMIC = 131072, "dynamic"  # glibc's starting threshold: the tight figure
 _MMAP_MAX = 32 * 2**20  # glibc's largest threshold on 64-bit (HEAP_MAX_SIZE / 2)
 
 
@@ -247,18 +247,18 @@ def mmap_threshold_problem(environ=None):
     if raw in ("", MMAP_DYNAMIC) or raw.isdigit() and 0 < int(raw) <= _MMAP_MAX:
         return None
     return (f"{MMAP_ENV}={raw!r} is not a threshold: set it to a number of bytes from 1 to "
-            f"{_MMAP_MAX} (unset: {MMAP_DEFAULT}), or to '{MMAP_DYNAMIC}' for glibc's own, "
-            f"which raises it as it goes")
+            f"{_MMAP_MAX} ({MMAP_TIGHT} for a resident peak within a few % of the tensors'), or to "
+            f"'{MMAP_DYNAMIC}' (or leave it unset) for glibc's own, which raises it as it goes")
 
 
 def mmap_threshold(environ=None):
     """The threshold a CPU rank started under ``environ`` (the kernel's) runs with: bytes when
-    fixed, None when glibc raises it as it goes (``dynamic``, or a bad value of the user's)."""
+    fixed, None when glibc raises it as it goes (unset, ``dynamic``, or a bad value of the user's)."""
     environ = os.environ if environ is None else environ
     glibc = environ.get(GLIBC_MMAP_ENV, "").strip()
     if glibc:
         return int(glibc) if glibc.isdigit() else None
     raw = environ.get(MMAP_ENV, "").strip()
-    if raw == MMAP_DYNAMIC or mmap_threshold_problem(environ):
+    if raw in ("", MMAP_DYNAMIC) or mmap_threshold_problem(environ):
         return None
-    return int(raw) if raw else MMAP_DEFAULT
+    return int(raw)

@@ -8,14 +8,17 @@ sizes (``bench/results.md``: ``bench.peak``, ``bench.malloc``), a rank's residen
 1.16-3.26x its tensors' peak that way, and 1.024-1.074x with the threshold fixed at 128 KiB
 (``MALLOC_MMAP_THRESHOLD_=131072``, glibc's own variable; a fixed threshold is never raised).
 
-`fix_threshold` runs when a CPU rank starts: it fixes the threshold (``mallopt``) at
-``DDPKIT_MMAP_THRESHOLD`` bytes, 131072 when that is unset, so that ``fits`` and ``plan`` can
-budget a small, measured allowance for the allocator; ``DDPKIT_MMAP_THRESHOLD=dynamic`` leaves
-glibc's default alone. A ``MALLOC_MMAP_THRESHOLD_`` of the user's own is glibc's to apply, and
-left alone too. The kernel reads the same (`ddpkit.devices.mmap_threshold`) for the allowance,
-and checks the variable before a launch (`devices.mmap_threshold_problem`); both variables are
-read at a rank's start, so warm ranks started under other values are replaced
-(`ddpkit.runtime.start.STARTUP_PREFIXES`).
+That speed is worth more than the tighter figure by default: fixed, every large block is mapped
+and given back when freed, and the kernel zeroes its pages again at every step, 1.26-1.40x the
+CPU time of a step with blocks above 128 KiB (``bench.malloc``; a 256-wide GPT's step 1.40x).
+So CPU ranks keep glibc's own threshold, and `fits`/`plan` budget the share measured with it.
+`fix_threshold` runs when a CPU rank starts: where ``DDPKIT_MMAP_THRESHOLD`` is a number of
+bytes (131072 for the tight figure) it fixes the threshold there (``mallopt``), so that `fits`
+and `plan` can budget a small allowance; unset or ``dynamic`` leaves glibc's default alone, and
+so does a ``MALLOC_MMAP_THRESHOLD_`` of the user's own (glibc's to apply). The kernel reads the
+same (`ddpkit.devices.mmap_threshold`) for the allowance, and checks the variable before a
+launch (`devices.mmap_threshold_problem`); both variables are read at a rank's start, so warm
+ranks started under other values are replaced (`ddpkit.runtime.start.STARTUP_PREFIXES`).
 """
 from __future__ import annotations
 
@@ -30,8 +33,8 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 def fix_threshold(environ=None):
     """In a CPU rank at start: fix glibc's mmap threshold as `devices.mmap_threshold` says
-    (nothing when glibc already has the user's own, or when it is to stay dynamic, or off
-    glibc). Returns the threshold set, or None."""
+    (nothing when glibc already has the user's own, or when it is to stay dynamic, the default,
+    or off glibc). Returns the threshold set, or None."""
     environ = os.environ if environ is None else environ
     wanted = mmap_threshold(environ)
     if wanted is None or environ.get(GLIBC_MMAP_ENV, "").strip():
