@@ -219,7 +219,7 @@ def collective_points(world, kinds=("allreduce", "allgather", "reduce_scatter", 
             run = _collective(kind, nbytes, world, device)
             run()
             reps = max(1, min(20, int(2e6 // max(nbytes, 1))))
-            if not cuda:
+            if not cuda and reps > 1:
                 reps = _agreed_reps(run, reps, device)
             times = []
             for _ in range(5):
