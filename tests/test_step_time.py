@@ -156,3 +156,26 @@ def test_calibration_fits_the_share_and_the_per_byte_cost_it_is_shown():
         refs.append((stream, {**phases, "ops": inside, "step": sum(phases.values())}))
     _, _, fitted, _ = calibrate.fit_costs(m, refs)
     assert fitted and all(v == pytest.approx(per_byte, rel=1e-6) for v in fitted.values())
+
+
+def test_a_small_steps_prediction_measures_no_rate_table(monkeypatch):
+    """Every op of a small step is run again at its own shapes (`replay`), so learning it (what
+    `calibrate` does for its reference steps) measures none of the rate tables a real-size op
+    needs (about 16 s on 2 cores): not for the profiler ranges' ends either, which move no bytes
+    and cost their dispatch alone."""
+    from ddpkit.predict import rates, replay
+    from ddpkit.predict.machine import Machine
+    from ddpkit.predict.player import play as play_stream
+
+    def tables(threads):
+        raise AssertionError("the rate tables were measured for a small step")
+    monkeypatch.setattr(rates, "tables", tables)
+    cfg = ddpkit.TrainConfig(model="mlp", n_blocks=2, width=16, micro_batch=2, world_size=2)
+    stream = simulate(cfg, 0).stream
+    assert any(getattr(e, "name", "") == "_record_function_exit" for e in stream)
+    m = Machine("measured here", threads=1, collectives=machine().collectives,
+                overhead=machine().overhead)
+    assert replay.learn(m, stream) > 0 and m.needs_tables()
+    end = next(e for e in stream if getattr(e, "name", "") == "_record_function_exit")
+    assert m.op_s(end) == m.overhead[end.phase or "other"]  # its dispatch, no work
+    assert play_stream(stream, m, ranks=2)[0] > 0

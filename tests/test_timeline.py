@@ -1,5 +1,6 @@
 """Issue #20: the timeline of backward, recompute and each bucket's all-reduce, on real gloo
 ranks, checked against DDP's own runtime statistics and the torch profiler."""
+import statistics
 import time
 
 import pytest
@@ -79,19 +80,27 @@ def test_timeline_agrees_with_ddps_runtime_statistics(small_buckets):
     assert len(v) == 6, v
     # on CPU both stamp the host: one clock (on CUDA DDP's are labelled "host launch")
     assert set(small_buckets.ddp_stats["clock"]) == set(v.ddp_clock) == {"timeline"}
-    for row in v.itertuples():
-        pairs = [("comm_start_s", "ddp_comm_start_s"), ("compute_end_s", "ddp_compute_end_s")]
-        if row.step >= 1:  # step 0 is DDP's one-bucket iteration (see below)
-            pairs += [("compute_s", "ddp_compute_s"), ("overlap_s", "ddp_overlap_s")]
-            # DDP's comm time ends in its finalizer, after it copied every bucket back into
-            # the gradients; ours when the last all-reduce's future completed: never later,
-            # and earlier by that copy (11 ms seen with 9 buckets on 2 busy cores; 6 ms for
-            # step 0's single 8 MiB bucket)
-            assert row.comm_s <= row.ddp_comm_s + TOL_END_S, row
-            assert row.ddp_comm_s - row.comm_s <= FINALIZER_S + TOL_REL * row.ddp_comm_s, row
-        for ours, theirs in pairs:
-            stamps = 1 if ours.endswith(("start_s", "end_s")) else 2
-            assert close(getattr(row, ours), getattr(row, theirs), stamps), (ours, row)
+    # in order, always: the reducer stamps its comm start before it calls the comm hook (ours),
+    # and its comm end after the hook's futures, whose callbacks stamp our ends, are done
+    assert (v.ddp_comm_start_s <= v.comm_start_s + 1e-6).all(), v
+    assert (v.comm_end_s <= v.ddp_comm_end_s + 1e-6).all(), v
+    # and close: each figure in most rows (the median row's gap within the tolerance; a rank
+    # that a busy machine keeps off its core between two stamps moves one row, not most)
+    pairs = [("comm_start_s", "ddp_comm_start_s", v),
+             ("compute_end_s", "ddp_compute_end_s", v)]
+    later = v[v.step >= 1]  # step 0 is DDP's one-bucket iteration (see below)
+    pairs += [("compute_s", "ddp_compute_s", later), ("overlap_s", "ddp_overlap_s", later)]
+    for ours, theirs, rows in pairs:
+        stamps = 1 if ours.endswith(("start_s", "end_s")) else 2
+        over = [abs(a - b) - (stamps * TOL_S + TOL_REL * abs(b))
+                for a, b in zip(rows[ours], rows[theirs])]
+        assert statistics.median(over) <= 0, (ours, rows[[ours, theirs]])
+    # DDP's comm time ends in its finalizer, after it copied every bucket back into the
+    # gradients; ours when the last all-reduce's future completed: never later (above), and
+    # earlier by that copy (11 ms seen with 9 buckets on 2 busy cores; 6 ms for step 0's
+    # single 8 MiB bucket)
+    trail = [b - a - (FINALIZER_S + TOL_REL * b) for a, b in zip(later.comm_s, later.ddp_comm_s)]
+    assert statistics.median(trail) <= 0, later[["comm_s", "ddp_comm_s"]]
 
 
 def _profiled(ctx, plan):
@@ -300,3 +309,26 @@ def test_gloo_all_reduce_ends_are_host_stamps_also_on_a_shared_gpu():
     assert nccl.end_stamp == nccl.clock.stamp
     shared.clock.ref_ns = 1_000
     assert shared.clock.read(123_456) == 123_456  # a host stamp beside the rank's events
+
+
+def test_a_rank_kept_off_its_core_between_ddps_stamp_and_ours_keeps_its_row():
+    """On a busy machine a rank can wait tens of ms between DDP's comm-start stamp and the comm
+    hook's: its iteration is still set beside its own micro-step, not left out or matched to
+    another (DDP's stamp always comes first, and its comm end after ours)."""
+    import pandas as pd
+
+    from ddpkit.runs.timeline import COLUMNS
+
+    rows = []
+    for step, t0 in ((0, 1.0), (1, 1.2)):  # the first bucket's start, the last one's end
+        rows += [(0, step, 0, "forward", "model", t0 - 0.05, t0 - 0.04, 0),
+                 (0, step, 0, "backward", "block 0", t0 - 0.04, t0 + 0.01, 0),
+                 (0, step, 0, "allreduce", "bucket 0", t0, t0 + 0.02, 1024)]
+    tl = pd.DataFrame(rows, columns=COLUMNS)
+    ddp = pd.DataFrame([dict(rank=0, iteration=1, clock="timeline",
+                             backward_comm_start_s=1.2 - 0.08,  # 80 ms before the hook's
+                             backward_comm_end_s=1.2 + 0.021, backward_compute_end_s=1.2 + 0.011,
+                             backward_compute_time_s=0.05, backward_comm_time_s=0.101,
+                             backward_compute_comm_overlap_time_s=0.09)])
+    v = versus_ddp(tl, ddp)
+    assert list(v.step) == [1], v

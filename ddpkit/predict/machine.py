@@ -95,7 +95,7 @@ class Machine:
         elif op.kind == "attention":
             which = "backward" if op.name.endswith("backward") else "forward"
             work = self.attention_s(op.flops, which, op.dtype)
-        elif op.kind == "memory":
+        elif op.kind == "memory" and op.bytes:  # one that moves nothing costs its dispatch
             work = self.memory_s(op.name, op.bytes)
         if self.kind == "roofline":  # the device runs it while the host issues the next ones
             return max(host, work + self.kernel_s) if op.kind != "view" else host

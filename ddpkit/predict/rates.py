@@ -218,16 +218,37 @@ def collective_points(world, kinds=("allreduce", "allgather", "reduce_scatter", 
         for nbytes in sizes:
             run = _collective(kind, nbytes, world, device)
             run()
+            reps = max(1, min(20, int(2e6 // max(nbytes, 1))))
+            if not cuda and reps > 1:
+                reps = _agreed_reps(run, reps, device)
             times = []
             for _ in range(5):
                 dist.barrier()
-                reps = max(1, min(20, int(2e6 // max(nbytes, 1))))
                 times.append(_events(run, reps) if cuda else _clocked(run, reps))
             points.append((nbytes, statistics.median(times)))
             if tick:
                 tick()
         out[f"{kind}/{world}"] = points
     return out
+
+
+ROUND_S = 0.02
+"""A round of a collective's calls on CPU ranks lasts about this long at least: the calls of a
+slow one (more ranks than cores: a few ms each, scheduling more than the wire) are not
+repeated 20 times a round."""
+
+
+def _agreed_reps(run, reps, device=None):
+    """At most ``reps`` calls a round, fewer where rank 0 sees a call take long enough that
+    fewer last `ROUND_S` (its count, broadcast: every rank must run as many collectives)."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    run()
+    one = time.perf_counter() - start
+    n = torch.tensor([max(1, min(reps, math.ceil(ROUND_S / max(one, 1e-9))))], device=device)
+    dist.broadcast(n, 0)
+    return int(n.item())
 
 
 def _clocked(run, reps):

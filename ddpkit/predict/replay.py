@@ -141,6 +141,9 @@ def learn(machine, stream, threads=None):
 
 
 def _unreplayed(machine, op):
-    """An op whose time must come from the rate tables."""
+    """An op whose time must come from the rate tables. Not one that moves no bytes: a profiler
+    range's end (``_record_function_exit``, whose handle a recipe cannot hold) costs its
+    dispatch alone (`Machine.op_s`), so a small step does not measure the tables for it."""
     return getattr(op, "kind", "view") not in ("view", "collective") and (
-        op.recipe is None or machine.replayed.get(key(op.recipe)) is None)
+        op.recipe is None or machine.replayed.get(key(op.recipe)) is None) and not (
+        op.kind == "memory" and op.bytes == 0)

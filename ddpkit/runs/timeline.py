@@ -89,8 +89,8 @@ def versus_ddp(timeline, ddp):
         if ar.empty or d["backward_comm_start_s"] is None:
             continue
         firsts = ar.groupby(["step", "micro_step"]).start_s.min()
-        key = (firsts - d["backward_comm_start_s"]).abs().idxmin()
-        if abs(firsts[key] - d["backward_comm_start_s"]) > 0.05:  # not a probed micro-step
+        key = _iteration(firsts, d)
+        if key is None:  # not a probed micro-step
             continue
         g = mine[(mine.step == key[0]) & (mine.micro_step == key[1])]
         fwd_end = g[g.kind == "forward"].end_s.max()
@@ -109,6 +109,24 @@ def versus_ddp(timeline, ddp):
                          ddp_comm_end_s=d["backward_comm_end_s"], comm_end_s=a.end_s.max(),
                          ddp_compute_end_s=d["backward_compute_end_s"], compute_end_s=bwd_end))
     return pd.DataFrame(rows)
+
+
+def _iteration(firsts, d):
+    """The (step, micro-step) of ``firsts`` (each one's first all-reduce start) that DDP's
+    iteration ``d`` timed, or None. On one host clock (``clock`` "timeline") the reducer stamps
+    its comm start before it calls the comm hook, which stamps ours, and its comm end after the
+    hook's futures, whose callbacks stamp ours, are done: the micro-step is the first whose
+    all-reduce starts at or after DDP's comm start, if that is before DDP's comm end, however
+    long a busy machine keeps the rank from running between the stamps. DDP's CUDA stamps are
+    the host's launch times: the nearest start within 50 ms."""
+    start = d["backward_comm_start_s"]
+    if d.get("clock", "timeline") == "timeline" and d.get("backward_comm_end_s") is not None:
+        after = firsts[firsts >= start - 1e-6]
+        if after.empty or after.min() > d["backward_comm_end_s"] + 1e-6:
+            return None
+        return after.idxmin()
+    key = (firsts - start).abs().idxmin()
+    return key if abs(firsts[key] - start) <= 0.05 else None
 
 
 def rebuilt_buckets(ddp):

@@ -12,6 +12,9 @@ def steady(ctx):
         dist.all_reduce(torch.ones(1)); ctx.log(step=i); time.sleep(0.005)
 def quick(ctx):
     return ctx.rank
+def going(record):  # the drain thread's: both ranks are past a few all-reduces
+    if record.get("step") == 3 and record.get("rank") == 0:
+        print("GOING", flush=True)
 """
 
 
@@ -31,12 +34,12 @@ def test_kernel_interrupt_mid_run_ends_every_rank():
     try:
         assert kc.execute_interactive(SETUP, timeout=60)["content"]["status"] == "ok"
         pid = km.provisioner.process.pid
-        msg_id = kc.execute("ddpkit.launch(steady, world_size=2)")
-        deadline = time.monotonic() + 60
-        while len(spawned_ranks(pid)) < 2:
-            assert time.monotonic() < deadline, "ranks never started"
-            time.sleep(0.1)
-        time.sleep(1.5)  # the run is going
+        # stop_on_error=False: the interrupt's error must not make ipykernel abort the request
+        # sent next (it aborts those that reach it before its "stop aborting" message does).
+        msg_id = kc.execute("ddpkit.launch(steady, world_size=2, on_metric=going)",
+                            stop_on_error=False)
+        wait_for_output(kc, "GOING", timeout=60)  # both ranks are stepping through all-reduces
+        assert len(spawned_ranks(pid)) == 2
         t0 = time.monotonic()
         km.interrupt_kernel()
         while True:
@@ -46,6 +49,7 @@ def test_kernel_interrupt_mid_run_ends_every_rank():
         assert reply["content"]["status"] == "error"
         assert reply["content"]["ename"] == "KeyboardInterrupt"
         assert time.monotonic() - t0 < 10
+        wait_for_idle(kc, msg_id, timeout=30)
         deadline = time.monotonic() + 5
         while spawned_ranks(pid):
             assert time.monotonic() < deadline, spawned_ranks(pid)
@@ -54,10 +58,30 @@ def test_kernel_interrupt_mid_run_ends_every_rank():
         reply = kc.execute_interactive("print(ddpkit.launch(quick, world_size=2).returns)",
                                        output_hook=lambda m: out.append(m["content"].get("text", "")),
                                        timeout=60)
-        assert reply["content"]["status"] == "ok" and "[0, 1]" in "".join(out)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        assert "[0, 1]" in "".join(out)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def wait_for_output(kc, text, timeout):
+    """Read the kernel's iopub until a stream message carries ``text``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["msg_type"] == "stream" and text in msg["content"]["text"]:
+            return
+
+
+def wait_for_idle(kc, msg_id, timeout):
+    """Read the kernel's iopub until it reports idle after the request ``msg_id``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if (msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle"
+                and msg["parent_header"].get("msg_id") == msg_id):
+            return
 
 
 def test_a_kernel_restart_leaves_no_warm_rank_behind():
