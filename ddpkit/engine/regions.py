@@ -2,14 +2,21 @@
 
 A transformers model runs ``for layer in self.layers: h = layer(h, mask=..., ...)``: ddpkit
 cannot wrap that loop in a function, as ``checkpoint_sequential`` wraps an ``nn.Sequential``.
-It can still make a segment of blocks one region, with forward hooks on the blocks, as
-``torch.distributed._composable.checkpoint`` does for one module:
+It can still make a segment of blocks one region, around the blocks' own forwards, as
+``torch.distributed._composable.checkpoint`` does for one module with hooks:
 
-* the segment's first block's forward pre-hook enters torch's non-reentrant checkpoint
+* the segment's first block's forward enters torch's non-reentrant checkpoint
   (``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, private: the generator
   torch's own ``checkpoint`` and its composable API use), with the block's tensor arguments as
-  the region's inputs, the only ones kept; its last block's forward hook leaves it. In between,
-  what the blocks save goes to the region (nothing is kept; backward recomputes it);
+  the region's inputs, the only ones kept; its last block's forward leaves it. In between,
+  what the blocks save goes to the region (nothing is kept; backward recomputes it). The
+  blocks' ``forward`` is wrapped (an attribute of each block, as `policies` sets for reentrant
+  blocks), not hooked: it runs where a pre-hook registered last and a forward hook registered
+  first would (after every pre-hook, FSDP's all-gather included, before every forward hook),
+  and a block without hooks keeps ``nn.Module.__call__``'s fast path, which forward hooks would
+  take it off: ~15 us a call, each block of a region called twice a micro-batch (forward and
+  recompute) even where ``policies`` runs an ``nn.Sequential``'s segments itself and the
+  wrapper only passes the call on (1% of bench.overhead's GPT step);
 * the recompute replays the blocks that ran, in order, through their ``__call__`` (FSDP's
   hooks gather the parameters) with this policy's hooks off: the first from the region's
   inputs, each next one with the arguments it received and, as its input, the output the replay
@@ -178,8 +185,8 @@ class _Region:
 
 
 class LoopRegions:
-    """The hooks that make each checkpointed segment of ``blocks`` one region, for a model
-    that calls the blocks in its own loop. ``regions``: [(start, stop), ...]."""
+    """The wrapped forwards that make each checkpointed segment of ``blocks`` one region, for a
+    model that calls the blocks in its own loop. ``regions``: [(start, stop), ...]."""
 
     def __init__(self, policy, blocks, regions):
         self.policy, self.blocks = policy, blocks
@@ -187,18 +194,19 @@ class LoopRegions:
         self.open = None
         self.replaying = False
         self.handles = []
+        self.wrapped = {}  # block index -> (its wrapper, the forward it wraps, was it its own)
 
     def install(self, root):
         for i in sorted(self.segment):
             block = self.blocks[i]
-            # after the block's other pre-hooks (FSDP puts its own first): the region opens
-            # once FSDP has gathered the parameters, installed before or after fully_shard,
-            # as torch's composable checkpoint applied before fully_shard does
-            self.handles.append(block.register_forward_pre_hook(
-                functools.partial(self._pre, i), with_kwargs=True))
-            self.handles.append(block.register_forward_hook(
-                functools.partial(self._post, i), with_kwargs=True, always_call=True,
-                prepend=True))
+            # inside __call__, after every pre-hook (FSDP's all-gather: the region opens once
+            # the parameters are gathered, installed before or after fully_shard, as torch's
+            # composable checkpoint applied before fully_shard does) and before every forward
+            # hook (the region closes before FSDP reshards)
+            inner = block.forward
+            wrapper = functools.partial(self._forward, i, inner)
+            self.wrapped[i] = (wrapper, inner, "forward" in block.__dict__)
+            block.forward = wrapper
         # a forward that ends with a region open (the segment's last block never ran) closes it
         self.handles.append(root.register_forward_hook(self._end, always_call=True))
         return self
@@ -207,11 +215,32 @@ class LoopRegions:
         for h in self.handles:
             h.remove()
         self.handles = []
+        for i, (wrapper, inner, own) in self.wrapped.items():
+            block = self.blocks[i]
+            if block.__dict__.get("forward") is wrapper:
+                if own:
+                    block.forward = inner
+                else:
+                    del block.forward
+        self.wrapped = {}
+
+    def _forward(self, i, inner, *args, **kwargs):
+        """Block ``i``'s forward: the region's marks around the block's own (``inner``)."""
+        if self._idle():  # the cheap path: a Sequential's region runs it, or a recompute
+            return inner(*args, **kwargs)
+        self._pre(i, args, kwargs)
+        try:
+            out = inner(*args, **kwargs)
+        except BaseException:
+            self._post(i, None)  # the region ends where the blocks stopped
+            raise
+        self._post(i, out)
+        return out
 
     def _idle(self):
         return self.replaying or self.policy.in_region or not torch.is_grad_enabled()
 
-    def _pre(self, i, module, args, kwargs):
+    def _pre(self, i, args, kwargs):
         if self._idle():
             return
         self.policy.ran.add("loop")
@@ -230,7 +259,7 @@ class LoopRegions:
             self._close()
         self.open = _Region(self, i, self.segment[i][1], args, kwargs)
 
-    def _post(self, i, module, args, kwargs, output):
+    def _post(self, i, output):
         region = self.open
         if region is None or self._idle() or region.last != i:
             return
