@@ -283,3 +283,27 @@ def test_the_recompute_ratio_follows_torchs_early_stop_switch():
         all_of_it = recompute_flops_ratio(full)
     assert all_of_it > early and recompute_flops_ratio(full) == early
     assert abs(all_of_it - recompute_flops_ratio(full.replace(use_reentrant=True))) < 1e-9
+
+
+def _counting_left_on(ctx):
+    """In a rank: does a collective pass through ddpkit's Python, or an allocation into c10's
+    count? (What a run's probes switch on for the process.)"""
+    import sys
+
+    import torch.distributed as dist
+    from ddpkit.engine.allocations import cpu_allocated
+
+    calls = []
+    sys.setprofile(lambda frame, event, arg: event == "call" and calls.append(
+        frame.f_code.co_filename))
+    try:
+        dist.all_reduce(torch.ones(4))
+    finally:
+        sys.setprofile(None)
+    return any(f.endswith("collectives.py") for f in calls), cpu_allocated() > 0
+
+
+def test_a_warm_ranks_next_job_runs_without_the_probes_counting(pool):
+    # one step: the peak probe's allocation count is switched off only after its second window
+    ddpkit.train(ddpkit.TrainConfig(**{**TINY, "steps": 1}), pool=pool)
+    assert pool.launch(_counting_left_on).returns == [(False, False)] * 2

@@ -108,6 +108,15 @@ class CollectiveCounter:
             CollectiveCounter._active = None
 
     @classmethod
+    def uninstall(cls):
+        """Take the kernels off the ops again (at a run's end): in a warm rank the next job's
+        collectives, DDP's own all-reduce included, would each pass through a Python call
+        (~40 us a collective measured on gloo) for nothing. A ``torch.library.Library``'s
+        registrations go with the object."""
+        cls._active = None
+        cls._lib = None
+
+    @classmethod
     def note_allreduce(cls, nbytes, n):
         """Count an all-reduce of ``nbytes`` over ``n`` ranks issued below the Autograd key
         (where the kernel here does not see it: `probes.AllReduce`), into the active counter."""
@@ -131,7 +140,7 @@ class CollectiveCounter:
     def _install(cls):
         if cls._lib is not None:
             return
-        lib = torch.library.Library("c10d", "IMPL")  # noqa: TOR901 - kept for the process's life
+        lib = torch.library.Library("c10d", "IMPL")  # noqa: TOR901 - kept until `uninstall`
         for name in _OPS:
             op = getattr(torch.ops.c10d, name).default
 

@@ -76,32 +76,34 @@ def train_rank(ctx, plan, live=False, resume_from=None, return_weights=True):
         meta = saving.load(ctx, saving.latest(resume_from) or resume_from, saved, optimizer,
                            scheduler, fsdp)
         first, consumed = meta["step"] + 1, meta["consumed"]  # the sampler continues there too
-    measure.begin(comm, first, timeline)
-    for step in range(first, plan.steps):
-        changed = settings.update(ctx.sync_controls(step) if live else {})
-        accum = settings.plan.accum_steps
-        batches = data.micro_batches(consumed, plan.micro_batch, accum)
-        consumed += ctx.world_size * plan.micro_batch * accum  # samples this step took, all ranks
-        # static_graph + no_sync() on the very first iteration trips an internal assert in
-        # DDP's reducer (a known torch bug): the first step syncs every micro-batch instead
-        skip_sync = plan.no_sync and not (plan.static_graph and step == 0)
-        with measure.step(step, changed, model, optimizer, settings.policy) as acts:
-            loss = train_step(wrapped, optimizer, batches, accum_steps=accum, no_sync=skip_sync,
-                              precision=strategies.autocast_precision(plan), device=ctx.device,
-                              scaler=scaler,
-                              activation_probe=acts, inner=model, scheduler=scheduler,
-                              loss_fn=plan.loss_fn, phase=measure.phase)
-        record = dict(step=step, loss=loss, step_time_s=measure.seconds,
-                      samples_per_s=ctx.world_size * plan.micro_batch * accum / measure.seconds,
-                      accum_steps=accum, checkpoint=str(settings.plan.checkpoint),
-                      changed=",".join(changed), lr=scheduler.get_last_lr()[0],
-                      **measure.read(model, optimizer))  # before zero_grad frees the gradients
-        zero_grad(optimizer)
-        if plan.save_every and (step + 1) % plan.save_every == 0:
-            # collective: every rank writes its part, `latest` moves after a barrier
-            saving.save(ctx, plan, step, consumed, saved, optimizer, scheduler, plan.save_dir, fsdp)
-            record["saved"] = 1
-        ctx.log(**record)
+    with measure.running(comm, first, timeline):
+        for step in range(first, plan.steps):
+            changed = settings.update(ctx.sync_controls(step) if live else {})
+            accum = settings.plan.accum_steps
+            batches = data.micro_batches(consumed, plan.micro_batch, accum)
+            # the samples this step took, all ranks
+            consumed += ctx.world_size * plan.micro_batch * accum
+            # static_graph + no_sync() on the very first iteration trips an internal assert in
+            # DDP's reducer (a known torch bug): the first step syncs every micro-batch instead
+            skip_sync = plan.no_sync and not (plan.static_graph and step == 0)
+            with measure.step(step, changed, model, optimizer, settings.policy) as acts:
+                loss = train_step(wrapped, optimizer, batches, accum_steps=accum,
+                                  no_sync=skip_sync, precision=strategies.autocast_precision(plan),
+                                  device=ctx.device, scaler=scaler, activation_probe=acts,
+                                  inner=model, scheduler=scheduler, loss_fn=plan.loss_fn,
+                                  phase=measure.phase)
+            record = dict(step=step, loss=loss, step_time_s=measure.seconds,
+                          samples_per_s=ctx.world_size * plan.micro_batch * accum / measure.seconds,
+                          accum_steps=accum, checkpoint=str(settings.plan.checkpoint),
+                          changed=",".join(changed), lr=scheduler.get_last_lr()[0],
+                          **measure.read(model, optimizer))  # before zero_grad frees the gradients
+            zero_grad(optimizer)
+            if plan.save_every and (step + 1) % plan.save_every == 0:
+                # collective: every rank writes its part, `latest` moves after a barrier
+                saving.save(ctx, plan, step, consumed, saved, optimizer, scheduler,
+                            plan.save_dir, fsdp)
+                record["saved"] = 1
+            ctx.log(**record)
     if not return_weights:
         return None
     weights = strategies.full_state_dict(plan, wrapped, model)  # collective under FSDP

@@ -30,6 +30,7 @@ import contextlib
 import os
 
 from .collectives import CollectiveCounter
+from .allocations import cpu_accounting
 from .memory import PeakProbe, cuda_history
 from .process import ProcessProbe
 from .probes import ActivationProbe, StepTimer, state_bytes
@@ -38,9 +39,8 @@ STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
 class Measure:
-    """The probes of one run (``plan.probes``) on ``device`` of rank ``rank``; `begin` gives it
-    the DDP comm counter that `strategies.wrap` installed (None without one) and the run's
-    first step."""
+    """The probes of one run (``plan.probes``) on ``device`` of rank ``rank``; its steps run
+    inside `running`."""
 
     def __init__(self, plan, device, rank=0):
         probes = plan.probes
@@ -63,8 +63,20 @@ class Measure:
         with self.peak.leaving_out():
             return make(*args)
 
-    def begin(self, comm, first, timeline=None):
+    @contextlib.contextmanager
+    def running(self, comm, first, timeline=None):
+        """Around the run's steps: ``comm``, the DDP comm counter `strategies.wrap` installed
+        (None without one), ``first``, the run's first step. At the end, even on an error,
+        what the probes switched on for the process is off again (c10's allocation count, the
+        kernels on the collective ops): a warm rank's next job runs without them."""
         self.comm, self.first, self.timeline = comm, first, timeline
+        try:
+            yield self
+        finally:
+            if self.collectives is not None:
+                CollectiveCounter.uninstall()
+            if self.peak is not None and not self.peak.cuda:
+                cpu_accounting(False)
 
     def samples(self, step, changed):
         """Does this step read activation and model-state bytes?"""
