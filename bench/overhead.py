@@ -12,6 +12,15 @@ rank's CPU time (every thread of the process). Machine drift, scheduler noise an
 stolen time hit both sides of each pair alike, which rounds of whole runs in turn could not
 achieve on 2 cores (two runs of that design disagreed by up to 9%).
 
+Like with like: both loops run in the same rank processes, so under the same glibc malloc
+settings whatever they are (glibc's dynamic mmap threshold, or the one a CPU rank fixes at
+its start when ``DDPKIT_MMAP_THRESHOLD`` or glibc's ``MALLOC_MMAP_THRESHOLD_`` says so:
+`ddpkit.rank.heap`); the header says which was in force.
+The same holds for what ddpkit switches on for the process while its run lasts: while a
+variant counts collectives (``comm``), the plain loop's all-reduce passes through the counting
+kernel too (uncounted, ~40 us a call); at the run's end it is taken off again
+(`ddpkit.engine.measure.Measure.running`), so it never reaches a variant without it.
+
 Per variant (probes on or off) the ratio is median(ddpkit steps) / median(plain steps), all
 rounds pooled, with a 90% bootstrap interval that resamples whole rounds: the spread a second
 run of the benchmark can show. An A/A row (the plain loop against itself) shows the floor.
@@ -20,6 +29,7 @@ Target: every probe on <= 1.03x the plain loop, and the timeline (at its default
 the backend ddpkit picks (NCCL with 2+ GPUs, gloo on one shared GPU).
 """
 import argparse
+import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -121,6 +131,15 @@ VARIANTS = {
 }
 
 
+def heap(device):
+    """glibc's mmap threshold the ranks run with, in words (`ddpkit.rank.heap`)."""
+    from ddpkit.devices import GLIBC_MMAP_ENV, mmap_threshold
+
+    fixed = mmap_threshold() if device == "cpu" or os.environ.get(GLIBC_MMAP_ENV) else None
+    return (f"glibc's mmap threshold fixed at {fixed} B" if fixed else
+            "glibc's dynamic mmap threshold") + " in both loops (the same processes)"
+
+
 def _beside(name):
     return f"{PLAIN}, beside {name}"
 
@@ -177,7 +196,7 @@ def main(argv=None):
             f"x accum {cfg.accum_steps}, checkpoint={cfg.checkpoint} (the plain loop: torch's "
             f"checkpoint_sequential), 2 ranks {backend} on {args.device}; {args.rounds} rounds x "
             f"{args.steps - SKIP} steps of each variant, each step followed by a plain step in the "
-            f"same processes. Ratios: medians of all steps pooled, with a 90% interval from "
+            f"same processes; {heap(args.device)}. Ratios: medians of all steps pooled, with a 90% interval from "
             f"resampling whole rounds. Machine: {machine()}\n\n"
             + table(["variant", "wall ms", "wall vs plain (90%)", "CPU ms", "CPU vs plain (90%)"],
                     rows)
