@@ -156,3 +156,23 @@ def test_calibration_fits_the_share_and_the_per_byte_cost_it_is_shown():
         refs.append((stream, {**phases, "ops": inside, "step": sum(phases.values())}))
     _, _, fitted, _ = calibrate.fit_costs(m, refs)
     assert fitted and all(v == pytest.approx(per_byte, rel=1e-6) for v in fitted.values())
+
+
+def test_a_composed_models_step_time_plays_a_simulated_stream(monkeypatch):
+    """A large model's bytes are composed from per-block pieces (no op stream); its step time
+    plays the stream of the model cut to 3 and 4 blocks, extended (a setting alike on every
+    block), or of the whole model: the same time as without composing."""
+    from ddpkit.predict import peak, scale
+
+    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=9, width=32, seq_len=8, micro_batch=2,
+                             world_size=2)
+    values = (None,)  # a setting alike on every block: the stream extended from 3 and 4 blocks
+    whole = {i: step_time(cfg.replace(checkpoint=v), machine=machine()).seconds
+             for i, v in enumerate(values)}
+    monkeypatch.setattr(peak, "SCALE_ABOVE", 0)  # every model composed
+    monkeypatch.setattr(scale, "SCALE_ABOVE", 0)
+    monkeypatch.setattr(peak, "_MEMO", {})  # and none of the whole ones remembered
+    for i, v in enumerate(values):
+        c = cfg.replace(checkpoint=v)
+        assert peak.simulated(c, 0).how == "composed" and peak.simulated(c, 0).stream is None
+        assert step_time(c, machine=machine()).seconds == pytest.approx(whole[i], rel=2e-3)
