@@ -19,12 +19,15 @@ fake group, each adjusted here with why the bytes stay the same.
   profiler ranges).
 * DTensor works out each new op's output metadata by running it on global-shape fake tensors,
   once per op and sharding: not a rank's bytes, so not counted.
-* autograd sums two gradients of one tensor in place when it holds the only reference to one
-  of them (``InputBuffer::accumulate``: ``old.add_(new)``), but never for a tensor subclass or
+* autograd sums two gradients of one tensor in place when it holds the only reference to the
+  buffered one and its storage (``InputBuffer::accumulate``: ``old.add_(new)``; a view is
+  never summed into, its base holds the storage too), but never for a tensor subclass or
   while a dispatch mode is on (``isTensorSubclassLike``): a fake run always makes the sum anew,
   holding three tensors where the rank holds two (a residual stream's gradient, a weight read
   by slices: an MoE expert's, Mamba's scan). `Accumulations` puts the sum back in place: a
-  gradient that dies as soon as its sum is made is freed just before the sum is allocated.
+  buffered gradient, no view, that dies as soon as its sum is made is freed just before the
+  sum is allocated (a tied weight's, whose buffered gradient is lm_head's transposed view, is
+  summed anew on the rank as in the simulation).
 * A checkpointed region keeps the CPU generator's state (``torch.get_rng_state()``, 5,056
   bytes) until its recompute, when ``preserve_rng_state`` is on: a real tensor made outside the
   dispatcher, so no dispatch mode sees it. On a CPU rank `watch_rng_states` counts it while it
@@ -262,7 +265,8 @@ class Accumulations:
     the bytes the rank holds, which updates that summand in place."""
 
     def __init__(self, live):
-        self.live, self.pending = live, None  # (index of the sum's allocation, keys, deaths)
+        self.live, self.pending = live, None  # (index of the sum's allocation, the buffered
+        # summand's key, index of its free or None)
         self.links = []  # (sum's key, event index of its allocation, summand's key): one block
         # (the summand's free is the event just before the sum's allocation)
 
@@ -298,27 +302,29 @@ class Accumulations:
             return
         from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
 
-        a, b = args
+        # ``old + new``: only the buffered gradient (the first) is ever updated in place, and
+        # only where its storage has no other holder: a view's base holds it too (lm_head's
+        # gradient of a tied embedding weight is a transposed view: summed anew on the rank)
+        old, new = args
         if not all(isinstance(t, torch.Tensor) and t.shape == out.shape and t.dtype == out.dtype
-                   and dense(t) for t in (a, b)):
+                   for t in (old, new)) or old._is_view() or not dense(old):
             return
-        self.pending = (index, [a.untyped_storage()._cdata, b.untyped_storage()._cdata], {})
+        self.pending = (index, old.untyped_storage()._cdata, None)
 
     def died(self, key, index):
-        if self.pending is not None and key in self.pending[1]:
-            self.pending[2][key] = index
+        if self.pending is not None and key == self.pending[1]:
+            self.pending = (*self.pending[:2], index)
 
     def settle(self):
-        """The pending sum: in place on the first summand that died (the engine's order: the
-        buffered gradient, then the new one), as the rank's autograd makes it."""
+        """The pending sum: in place on the buffered gradient where it died as the sum was
+        made (its last reference was the engine's), as the rank's autograd makes it."""
         if self.pending is None:
             return
-        at, keys, deaths = self.pending
+        at, key, j = self.pending
         self.pending = None
-        key = next((k for k in keys if k in deaths), None)
-        if key is None:
+        if j is None:
             return
-        live, j = self.live, deaths[key]
+        live = self.live
         total = live.totals[at] - live.events[at][0]  # before the sum was allocated
         live.events.insert(at, live.events.pop(j))
         self.links.append((live.events[at + 1][1], at + 1, key))
