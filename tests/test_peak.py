@@ -96,19 +96,14 @@ def test_fsdp_and_mamba_peak_as_exactly_as_ddp(pool, name, change):
 
 
 def test_a_transformers_model_peaks_where_predicted(pool):
-    pytest.importorskip("transformers")
-    cfg = ddpkit.TrainConfig(model=fm.make_gpt2, micro_batch=2, seq_len=32, world_size=2,
-                             optimizer="adamw", steps=2, peak_every=1, checkpoint=2, **CPU)
-    check_against_prediction(cfg, ddpkit.train(cfg, pool=pool))
-
-
-def test_a_tied_weights_gradient_is_summed_anew_as_the_rank_sums_it(pool):
-    # GPT-2's lm_head reads wte's weight: autograd sums the weight's two gradients, and sums
-    # them anew (not in place): the buffered one, lm_head's, is a transposed view whose base
-    # holds its storage too. Notebook 12's backward peak at step 1 was one wte-sized gradient low.
+    # GPT-2's lm_head reads wte's weight (tied, here large next to the rest): autograd sums the
+    # weight's two gradients anew, not in place, as the buffered one (lm_head's) is a transposed
+    # view whose base holds its storage too. Notebook 12's backward peak at step 1 was one
+    # wte-sized gradient low when the simulation summed it in place.
     pytest.importorskip("transformers")
     cfg = ddpkit.TrainConfig(model=fm.make_wide_vocab_gpt2, micro_batch=1, seq_len=16,
-                             world_size=2, optimizer="adamw", steps=2, peak_every=1, **CPU)
+                             world_size=2, optimizer="adamw", steps=2, peak_every=1,
+                             checkpoint=2, **CPU)
     rows = check_against_prediction(cfg, ddpkit.train(cfg, pool=pool))
     est = ddpkit.estimate(cfg)
     for m in rows:  # every phase's highest moment, to a few bytes of the rank's own
