@@ -226,7 +226,7 @@ class Recorder:
                     made = home.pop(key, None)
                     if made is not None and made[0] != at and \
                             self._left_out(pieces[made[0]][0], name, self._blocks_given(
-                                key, made[2], i)):
+                                key, made[2], i), not sizes):
                         shared.append((made[:2], -size, kinds[i], (at, len(sizes))))
                         continue
                 sizes.append(size)
@@ -239,10 +239,11 @@ class Recorder:
         ``born`` to ``died``: an address is taken again once its storage has died)."""
         return {block for at, block in self._handed.get(key, ()) if born <= at <= died}
 
-    def _left_out(self, made, freed, given):
+    def _left_out(self, made, freed, given, first=False):
         """Is this a storage whose free depends on other blocks: made outside the blocks'
         forward, by a block for all that follow (T5's position bias: handed to two or more),
-        or by a block of a region and freed with the region (by its first block)?"""
+        or by a block of a region and freed with the region (by its first block)? ``first``:
+        the free is the first event of its piece (``freed``)."""
         if _outside(made):
             return True
         block, region = made[3], self.region_of.get(made[3])
@@ -253,8 +254,12 @@ class Recorder:
             return False
         lasts = {b - 1 for _, b in self.stacks}
         if freed[3] is None or (freed[0] == "forward" and freed[2] == "G" and
-                                freed[3] in lasts and freed[3] != block):
-            return True  # kept to the end of the forward (autocast's casts of the weights)
+                                freed[3] in lasts and freed[3] != block and
+                                not (first and freed[3] == block + 1)):
+            # kept to the end of the forward (autocast's casts of the weights); not what the
+            # next block lets go as it returns, as every block does its predecessor's (FSDP's
+            # bf16 blocks): that one is the last block's own free, once
+            return True
         return len(given - {block}) > 1
 
     def _optimizer_runs(self, a, b, events, kinds, start):
