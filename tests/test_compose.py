@@ -64,15 +64,22 @@ SETTINGS = [None, "full", 3, 4, [True, False, True, True, False, False, True, Fa
 BREADTH = pytest.mark.breadth  # the whole matrix: minutes of whole simulations (--breadth)
 
 
-def test_a_selective_list_and_segments_compose_to_the_whole_step():
-    """A selective list (regions of one block, plain ones between) and segments of 3 blocks (a
-    region's recompute, and what it holds) on 6 blocks, composed from cuts of the model, equal
-    to the whole simulation: peak, phase, each phase's highest moment, the ledger, the loads."""
+@pytest.mark.parametrize("precision, values", [
+    ("fp32", ([True, False, True, True, False, False], 2)),
+    # FSDP's bf16 blocks: each lets go of a storage its predecessor made as it returns (was
+    # freed at the forward's end for every middle block: a ledger of negative bytes)
+    ("bf16", (None, "full")),
+], ids=["fp32-selective-segments", "bf16-none-full"])
+def test_fsdp_composes_to_the_whole_step(precision, values):
+    """FSDP on 6 blocks: a selective list (regions of one block, plain ones between) and
+    segments of 3 blocks (a region's recompute, and what it holds), and in bf16 (notebook 13's
+    real sizes) none and every block, composed from cuts of the model, equal to the whole
+    simulation: peak, phase, each phase's highest moment, the ledger, the loads."""
     pytest.importorskip("transformers")
     base = ddpkit.TrainConfig(model=llama(6), seq_len=32, micro_batch=2, optimizer="adamw",
-                              **CPU)
+                              strategy="fsdp", precision=precision, **CPU)
     lib = Library(base, 0, simulate)
-    for value in ([True, False, True, True, False, False], 2):
+    for value in values:
         cfg = base.replace(checkpoint=value)
         composed = lib.compose(cfg.checkpoint)
         assert composed.how == "composed" and composed.composition.simulated
