@@ -7,7 +7,7 @@ import pytest
 
 import ddpkit
 from ddpkit.spec.setting import CheckpointSetting
-from ddpkit.predict.compose import Library
+from ddpkit.predict.compose import Library, proven
 from ddpkit.predict.simulate import simulate
 from ddpkit.predict.trace import traced
 
@@ -104,6 +104,9 @@ def test_the_composed_step_is_the_whole_step(change, slack):
     lib = Library(base, 0, simulate)
     for value in SETTINGS:
         cfg = base.replace(checkpoint=value)
+        if not proven(cfg):  # bf16 with segments or a list: simulated whole (compose.proven)
+            assert cfg.precision == "bf16" and cfg.checkpoint.regions
+            continue
         composed = lib.compose(cfg.checkpoint)
         assert composed.how == "composed" and composed.composition.simulated
         same(composed, simulate(cfg), cfg, slack)
@@ -155,8 +158,13 @@ def test_a_two_stack_model_composes_to_its_whole_step(strategy):
                               strategy=strategy, **CPU)
     lib = Library(base, 0, simulate)
     mask = [i % 3 != 1 for i in range(9)] + [i % 2 == 0 for i in range(9)]
-    for value in (mask, 2, "full"):
+    for value in (mask, 2, "full", None):
         cfg = base.replace(checkpoint=value)
+        # several stacks with segments or a list: not yet held to the whole step (a 9 + 9 T5
+        # was 0.1% off), so simulated whole (compose.proven); the 5 + 5 list above is exact
+        assert proven(cfg) == (value in ("full", None))
+        if not proven(cfg):
+            continue
         composed = lib.compose(cfg.checkpoint)
         assert all(k == (4, 4) or k == (6, 6) or k == (8, 8) for k, _ in
                    composed.composition.simulated)
