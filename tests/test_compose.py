@@ -135,6 +135,7 @@ def pairs(cfg):
     return [{"input_ids": a, "labels": b} for a, b in zip(x, y)]
 
 
+@pytest.mark.breadth  # several stacks are simulated whole (compose.proven): CI's budget
 def test_a_selective_list_on_two_stacks_composes_to_the_whole_step():
     """T5's encoder and decoder, 5 blocks each (block 0 of each holds its position bias): a
     selective list across both stacks, composed from a cut of 4 blocks per stack, equal to the
@@ -148,6 +149,8 @@ def test_a_selective_list_on_two_stacks_composes_to_the_whole_step():
 
 
 @pytest.mark.breadth
+@pytest.mark.xfail(strict=True, reason="several stacks do not compose exactly yet (a ledger of "
+                   "negative bytes with none, 0.1% off with segments): simulated whole")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_two_stack_model_composes_to_its_whole_step(strategy):
     """T5's encoder and decoder, 9 blocks each (block 0 of each holds the position bias): a
@@ -160,11 +163,7 @@ def test_a_two_stack_model_composes_to_its_whole_step(strategy):
     mask = [i % 3 != 1 for i in range(9)] + [i % 2 == 0 for i in range(9)]
     for value in (mask, 2, "full", None):
         cfg = base.replace(checkpoint=value)
-        # several stacks with segments or a list: not yet held to the whole step (a 9 + 9 T5
-        # was 0.1% off), so simulated whole (compose.proven); the 5 + 5 list above is exact
-        assert proven(cfg) == (value in ("full", None))
-        if not proven(cfg):
-            continue
+        assert not proven(cfg)  # so ddpkit simulates several stacks whole (compose.proven)
         composed = lib.compose(cfg.checkpoint)
         assert all(k == (4, 4) or k == (6, 6) or k == (8, 8) for k, _ in
                    composed.composition.simulated)
