@@ -171,6 +171,7 @@ def pool():
     return shared_pool(2, "gloo", "cpu")
 
 
+@pytest.mark.breadth  # CI's budget: the routing said where the estimate is printed is above
 def test_moe_plans_fits_and_shows_its_routing_in_the_lab(name="mixtral"):
     """`plan`, `fits` and the Lab's read-out on an MoE model whose experts loop over the tokens
     routed to each (data-dependent ops): each answers from the simulated step under the routing
