@@ -64,6 +64,8 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
     "torch._subclasses.fake_tensor.unset_fake_temporarily": "spec/empty.py, predict/simulate.py",
     "torch.Tensor._version": "engine/regions.py: a block's input not written since",
     "torch.Tensor._is_zerotensor": "rank/returns.py: a plain tensor, sent out of band",
+    "torch.Tensor._is_view":
+        "predict/fakeworld.py: autograd never sums a gradient into a view (its base holds the storage)",
     "torch.UntypedStorage._cdata":
         "engine/memory.py, engine/probes.py, engine/regions.py, predict/simulate.py, "
         "predict/fakeworld.py: one key per storage (fake storages have no address)",
