@@ -1,12 +1,18 @@
-"""Real sizes from a config alone: how long `estimate`, `peak()` and `plan` take for
-Llama-3-8B (8 ranks) and a Llama-3-70B-shaped config (64 ranks), and the cut trace (3 blocks,
-figures carried to all) beside the whole trace where the whole one is affordable: GPT-2 small
-and a 1B-shaped Llama (bytes and FLOPs of each setting, to the byte and the FLOP).
+"""Real sizes at the speed of a slider (issue #45): how long `estimate`, `peak()` and `plan`
+take for Llama-3-8B (8 ranks), Llama-3-70B shapes (64 ranks), a T5-XL-shaped encoder-decoder
+(3B, two stacks of 24 blocks, 8 ranks) and Mixtral-8x7B shapes (64 ranks), for DDP and FSDP, in
+bf16 (and fp32 for the 8B and T5), every kind of checkpoint setting; and the cut trace (3
+blocks, figures carried to all) beside the whole trace where the whole one is affordable.
 
-Each timing starts from empty caches (the trace, the batch and the simulated steps are
-memoised per setting: a second call of any of them is instant).
+**cold**: from empty caches (the trace, the batch, the simulated and composed steps, the
+libraries of per-block pieces: what a fresh kernel has, its imports done), the config with no
+checkpointing: `estimate`, then `peak()`, then `plan(cfg, 'H100-80GB')`. **warm**: the same
+config with each other setting (4 segments, every block, every other block), as a slider moves
+it: the slowest `estimate` and the slowest `peak()` of those, and `plan` for another budget.
+The composition of each answer (which cut simulations ran, what was extrapolated) is the
+result's own (`Simulation.composition`).
 
-    python -m bench.scale           # a few minutes on 2 cores
+    python -m bench.scale           # about 10 minutes on 2 cores
 """
 import sys
 import time
@@ -15,6 +21,7 @@ import ddpkit
 from bench._common import machine, table
 
 GIB = 2**30
+SETTINGS = (("4 segments", 4), ("full", "full"), ("every other", "alternate"))
 
 
 def llama(hidden, inter, layers, heads, kv, vocab=128256):
@@ -29,6 +36,36 @@ def llama(hidden, inter, layers, heads, kv, vocab=128256):
     return factory
 
 
+def t5_xl():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(d_model=2048, d_ff=5120, d_kv=64, num_heads=32,
+                                               num_layers=24, num_decoder_layers=24,
+                                               vocab_size=32128, feed_forward_proj="gated-gelu",
+                                               dropout_rate=0.0, decoder_start_token_id=0,
+                                               pad_token_id=0, eos_token_id=1, use_cache=False))
+
+
+def mixtral_8x7b():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(hidden_size=4096, intermediate_size=14336,
+                                            num_hidden_layers=32, num_attention_heads=32,
+                                            num_key_value_heads=8, vocab_size=32000,
+                                            num_local_experts=8, num_experts_per_tok=2,
+                                            output_router_logits=True, use_cache=False))
+
+
+def pairs(cfg):
+    """Sequence pairs for the encoder-decoder: token ids in, token ids out (one global batch)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = cfg.world_size * cfg.micro_batch * cfg.accum_steps
+    ids = torch.randint(1, 32000, (n, cfg.seq_len), generator=g)
+    return torch.utils.data.StackDataset(input_ids=ids, labels=ids.roll(1, 1))
+
+
 def gpt2_small():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -40,35 +77,70 @@ def gpt2_small():
 LLAMA_8B = llama(4096, 14336, 32, 32, 8)
 LLAMA_70B = llama(8192, 28672, 80, 64, 8)
 LLAMA_1B = llama(2048, 8192, 16, 32, 8)
+MODELS = (  # name, config fields, ranks, precisions
+    ("Llama-3-8B", dict(model=LLAMA_8B), 8, ("bf16", "fp32")),
+    ("Llama-3-70B shapes", dict(model=LLAMA_70B), 64, ("bf16",)),
+    ("T5-XL shapes (3B, 24+24)", dict(model=t5_xl, data=pairs, seq_len=512), 8, ("bf16", "fp32")),
+    ("Mixtral-8x7B shapes", dict(model=mixtral_8x7b), 64, ("bf16",)),
+)
 
 
 def _fresh():
     from ddpkit.predict import peak, trace
 
-    for memo in (trace._TRACES, trace._BATCHES, peak._MEMO):
+    for memo in (trace._TRACES, trace._BATCHES, peak._MEMO, peak._LIBRARIES):
         memo.clear()
 
 
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def _setting(cfg, value):
+    if value == "alternate":
+        return cfg.checkpoint.with_value([i % 2 == 1 for i in range(cfg.checkpoint.n_blocks)])
+    return value
+
+
+def one(base):
+    """(cold estimate, cold peak, cold plan, warm estimate, warm peak, warm plan, the peak of
+    no checkpointing, how it was made)."""
+    _fresh()
+    _, est = _timed(lambda: ddpkit.estimate(base))
+    p, pk = _timed(lambda: ddpkit.estimate(base).peak())
+    _, pl = _timed(lambda: ddpkit.plan(base, "H100-80GB"))
+    warm_est, warm_peak = [], []
+    for _, value in SETTINGS:
+        cfg = base.replace(checkpoint=_setting(base, value))
+        e, t = _timed(lambda: ddpkit.estimate(cfg))
+        warm_est.append(t)
+        warm_peak.append(_timed(lambda: e.peak())[1])
+    _, warm_plan = _timed(lambda: ddpkit.plan(base, "A100-40GB"))
+    from ddpkit.predict.peak import simulated
+
+    sim = simulated(base, 0)
+    how = "composed" if sim.composition is not None else sim.how
+    runs = len(sim.composition.simulated) if sim.composition is not None else 1
+    return est, pk, pl, max(warm_est), max(warm_peak), warm_plan, p, f"{how} ({runs} cut sims)"
+
+
 def timings():
-    rows = []
-    for name, factory, world in (("Llama-3-8B", LLAMA_8B, 8), ("Llama-3-70B shapes", LLAMA_70B, 64)):
-        base = ddpkit.TrainConfig(model=factory, seq_len=2048, micro_batch=1, optimizer="adamw",
-                                  precision="bf16", world_size=world, backend="gloo", device="cpu")
-        for strategy in ("ddp", "fsdp"):
-            for ck in (None, "full"):
-                cfg = base.replace(strategy=strategy, checkpoint=ck)
-                _fresh()
-                t = time.perf_counter()
-                ddpkit.estimate(cfg)
-                t_est = time.perf_counter() - t
-                p = ddpkit.estimate(cfg).peak()
-                t_peak = time.perf_counter() - t - t_est
-                t = time.perf_counter()
-                ddpkit.plan(cfg, "H100-80GB")
-                t_plan = time.perf_counter() - t
-                rows.append((name, world, strategy, ck or "none", f"{p.bytes / GIB:.1f}", p.phase,
-                             f"{t_est:.1f}", f"{t_peak:.1f}", f"{t_plan:.1f}"))
-    return rows
+    rows, worst = [], [0.0] * 6
+    for name, fields, world, precisions in MODELS:
+        for precision in precisions:
+            for strategy in ("ddp", "fsdp"):
+                base = ddpkit.TrainConfig(**{**dict(seq_len=2048), **fields}, micro_batch=1,
+                                          optimizer="adamw", precision=precision,
+                                          strategy=strategy, world_size=world, backend="gloo",
+                                          device="cpu")
+                *times, p, how = one(base)
+                worst = [max(a, b) for a, b in zip(worst, times)]
+                rows.append((name, world, strategy, precision, f"{p.bytes / GIB:.1f}", p.phase,
+                             *(f"{t:.2f}" for t in times), how))
+                print(rows[-1], flush=True)
+    return rows, worst
 
 
 def equal_traces():
@@ -90,19 +162,35 @@ def equal_traces():
     return rows
 
 
+def _load():
+    import os
+
+    return "load average " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main(argv=None):
     t0 = time.perf_counter()
+    start_load = _load()
     eq = equal_traces()
-    tm = timings()
-    text = ("### Real sizes from a config (`python -m bench.scale`)\n\n"
+    tm, worst = timings()
+    goals = (2, 2, 10, 1, 1, 5)
+    met = ", ".join(f"{what} {w:.2f} s (goal {g} s: {'met' if w <= g else 'MISSED'})"
+                    for what, w, g in zip(("cold estimate", "cold peak()", "cold plan",
+                                           "warm estimate", "warm peak()", "warm plan"),
+                                          worst, goals))
+    text = ("### Real sizes at the speed of a slider (`python -m bench.scale`)\n\n"
             "The trace cut to 3 blocks, its figures carried to all, beside the whole trace "
             "(seq 512, micro-batch 1):\n\n"
             + table(("model", "blocks", "checkpoint", "activation bytes", "cut = whole",
                      "step FLOPs", "cut = whole"), eq)
-            + "\n\nTimes from empty caches (seq 2048, micro-batch 1, AdamW, bf16; seconds):\n\n"
-            + table(("model", "ranks", "strategy", "checkpoint", "peak GiB", "phase",
-                     "estimate s", "peak() s", "plan s"), tm)
-            + f"\n\nTook {time.perf_counter() - t0:.0f} s on {machine()}.\n")
+            + "\n\nSeconds (seq 2048, T5 512; micro-batch 1, AdamW). cold: empty caches, no "
+              "checkpointing; warm: the same config's other settings (4 segments, every block, "
+              "every other block: the slowest of them), and plan for another budget:\n\n"
+            + table(("model", "ranks", "strategy", "precision", "peak GiB", "phase",
+                     "cold estimate", "cold peak()", "cold plan", "warm estimate",
+                     "warm peak()", "warm plan", "peak made"), tm)
+            + f"\n\nSlowest: {met}.\n\nTook {time.perf_counter() - t0:.0f} s on {machine()}; "
+              f"{start_load} at the start, {_load()} at the end.\n")
     print(text)
     return text
 

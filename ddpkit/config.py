@@ -148,6 +148,10 @@ class TrainConfig:
     block, its size and the stack that made it). CUDA only: on CPU the peak's ledger says what
     the peak is made of."""
     stall_timeout_s: float = 120.0
+    routing: str = "balanced"
+    """What predictions assume of data-dependent routing (mixture of experts; training never
+    reads it): 'balanced' (each expert gets tokens*k/E) or 'worst' (one expert gets every token:
+    the upper bound; `ddpkit.predict.datadep`)."""
     extra: dict = field(default_factory=dict, repr=False)
     """Free-form tags carried into results (not used by the engine)."""
 
@@ -204,6 +208,8 @@ class TrainConfig:
                 "strategy='ddp_zero1'")
         if self.comm_hook not in COMM_HOOKS:
             bad("comm_hook", "unknown hook", f"pass one of {COMM_HOOKS}")
+        if self.routing not in ("balanced", "worst"):
+            bad("routing", "unknown routing assumption", "pass 'balanced' or 'worst'")
         if self.comm_hook and is_fsdp(self.strategy):
             bad("comm_hook", f"DDP communication hooks do not apply to FSDP2 "
                 f"(strategy='{self.strategy}')", f"pass comm_hook=None with "

@@ -40,6 +40,19 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
     "torch.autograd.graph._engine_run_backward":
         "predict/attention.py: a CUDA rank's simulated backward, run as torch.autograd.backward "
         "runs it with the CUDA attention mode pushed again (its recompute sees CUDA's kernel)",
+    "torch._C._current_autograd_node":
+        "predict/fakeworld.py: an add run by autograd (a gradient summed), not by the model",
+    "torch._prims_common.is_non_overlapping_and_dense_or_false":
+        "predict/fakeworld.py: ... whose summand's storage it may reuse",
+    "torch.utils._python_dispatch._disable_current_modes":
+        "predict/datadep.py: a data-dependent op's size read outside the fake mode",
+    "torch._subclasses.fake_tensor.FakeTensor": "predict/datadep.py: a fake tensor, by type",
+    "torch.ops.aten._unique": "predict/datadep.py: a data-dependent size (unique)",
+    "torch.ops.aten._unique2": "predict/datadep.py: a data-dependent size (unique)",
+    "torch.ops.aten._grouped_mm":
+        "predict/datadep.py, predict/trace.py: transformers' MoE experts (its FLOPs, its output)",
+    "torch._meta_registrations._create_grouped_mm_output_tensor":
+        "predict/datadep.py: torch._grouped_mm's output in fp32 (its meta takes bf16 only)",
     "torch.utils._pytree.tree_flatten": "engine/regions.py: a block's tensors",
     "torch.utils._pytree.tree_unflatten": "engine/regions.py: a block's tensors",
     "torch.utils._pytree.tree_leaves": "predict/simulate.py: the simulation's tensors",
@@ -51,6 +64,8 @@ PRIVATE = {  # name -> where ddpkit uses it, and why
     "torch._subclasses.fake_tensor.unset_fake_temporarily": "spec/empty.py, predict/simulate.py",
     "torch.Tensor._version": "engine/regions.py: a block's input not written since",
     "torch.Tensor._is_zerotensor": "rank/returns.py: a plain tensor, sent out of band",
+    "torch.Tensor._is_view":
+        "predict/fakeworld.py: autograd never sums a gradient into a view (its base holds the storage)",
     "torch.UntypedStorage._cdata":
         "engine/memory.py, engine/probes.py, engine/regions.py, predict/simulate.py, "
         "predict/fakeworld.py: one key per storage (fake storages have no address)",

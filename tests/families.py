@@ -219,6 +219,91 @@ def albert():
                                           attention_probs_dropout_prob=0.0, pad_token_id=0))
 
 
+def mixtral(experts="grouped_mm", routed=False):
+    """Mixtral (mixture of experts: 4 experts, top-2, the router's auxiliary loss on).
+    ``experts``: transformers' experts implementation ('grouped_mm', its default; 'eager': a
+    loop over the experts hit, with data-dependent ops); ``routed``: `round_robin` routers."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    config = MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+                           max_position_embeddings=T, num_local_experts=4, num_experts_per_tok=2,
+                           output_router_logits=True, router_aux_loss_coef=0.01,
+                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config._experts_implementation = experts
+    return round_robin(MixtralForCausalLM(config)) if routed else MixtralForCausalLM(config)
+
+
+def qwen3_moe(experts="grouped_mm", routed=False):
+    """Qwen3-MoE (4 experts of width 32, top-2, every layer sparse, auxiliary loss on)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    config = Qwen3MoeConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                            moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=8, vocab_size=V, max_position_embeddings=T, num_experts=4,
+                            num_experts_per_tok=2, output_router_logits=True,
+                            router_aux_loss_coef=0.01, decoder_sparse_step=1, mlp_only_layers=[],
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config._experts_implementation = experts
+    return round_robin(Qwen3MoeForCausalLM(config)) if routed else Qwen3MoeForCausalLM(config)
+
+
+def round_robin(model):
+    """A test hook: every router of ``model`` routes round-robin, token r to experts
+    (r*k + j) % E for j < k (each expert gets tokens*k/E: balanced routing, forced), its
+    weights the router's own probabilities there. What ddpkit's routing='balanced' assumes."""
+    def route(router, args, out):
+        logits, scores, indices = out
+        rows, k = indices.shape
+        r = torch.arange(rows, device=indices.device).unsqueeze(1)
+        chosen = (r * k + torch.arange(k, device=indices.device)) % router.num_experts
+        probs = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
+        return logits, (probs / probs.sum(-1, keepdim=True)).to(scores.dtype), chosen
+    for m in model.modules():
+        if type(m).__name__.endswith("TopKRouter"):
+            m.register_forward_hook(route)
+    return model
+
+
+def gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return Gemma2ForCausalLM(Gemma2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          vocab_size=V, max_position_embeddings=T, sliding_window=4,
+                                          attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                                          pad_token_id=0))
+
+
+def gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return GPTNeoXForCausalLM(GPTNeoXConfig(num_hidden_layers=2, hidden_size=32,
+                                            intermediate_size=64, num_attention_heads=4,
+                                            vocab_size=V, max_position_embeddings=T,
+                                            attention_dropout=0.0, hidden_dropout=0.0,
+                                            bos_token_id=0, eos_token_id=0))
+
+
+def mamba():
+    """Mamba on its reference path (a Python scan: no CUDA kernels on CPU)."""
+    from transformers import MambaConfig, MambaForCausalLM
+    return MambaForCausalLM(MambaConfig(num_hidden_layers=2, hidden_size=32, state_size=8,
+                                        expand=2, conv_kernel=4, vocab_size=V,
+                                        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                        use_cache=False))
+
+
+def deberta_v2():
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+    return DebertaV2ForSequenceClassification(DebertaV2Config(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        vocab_size=V, max_position_embeddings=T, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0))
+
+
+def classes(cfg, n=64):  # one label per sequence
+    g = _g()
+    return Samples(input_ids=torch.randint(1, V, (n, T), generator=g),
+                   labels=torch.randint(0, 3, (n,), generator=g))
+
+
 FAMILIES = {
     "gpt2": Family("decoder-only", gpt2, blocks="transformer.h"),
     "llama": Family("decoder-only", llama, blocks="model.layers"),
@@ -241,6 +326,12 @@ FAMILIES = {
         "classification head, 'wav2vec2', passes)")),
     "clip": Family("two-tower", clip, text_and_images, clip_loss,
                    blocks=("text_model.encoder.layers", "vision_model.encoder.layers")),
+    "gemma2": Family("decoder-only", gemma2, blocks="model.layers"),
+    "gpt-neox": Family("decoder-only", gpt_neox, blocks="gpt_neox.layers"),
+    "mamba": Family("state space", mamba, blocks="backbone.layers"),
+    "mixtral": Family("mixture of experts", mixtral, blocks="model.layers"),
+    "qwen3-moe": Family("mixture of experts", qwen3_moe, blocks="model.layers"),
+    "deberta-v2": Family("encoder-only", deberta_v2, classes, blocks="deberta.encoder.layer"),
     "albert": Family("encoder-only", albert, tokens, skip=(
         "ALBERT shares one layer's weights across its depth (one AlbertLayer called "
         "num_hidden_layers times): there is no stack of distinct blocks to checkpoint or shard")),
@@ -256,7 +347,8 @@ def config(name, **changes):
     fam = FAMILIES[name]
     import ddpkit
 
-    return ddpkit.TrainConfig(model=fam.make, data=fam.data, loss=fam.loss, **{**RUN, **changes})
+    return ddpkit.TrainConfig(**{"model": fam.make, "data": fam.data, "loss": fam.loss, **RUN,
+                                 **changes})
 
 
 def measure(name, pool=None):

@@ -53,6 +53,16 @@ def make_gpt2():
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
+def make_wide_vocab_gpt2():
+    """GPT-2 with its tied embedding (wte is lm_head's weight) large next to the rest: a
+    gradient summed from two uses, the lm_head's a transposed view."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=2048,
+                                      n_positions=16, bos_token_id=0, eos_token_id=0,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
 def make_lora_gpt2():
     """make_gpt2 with LoRA adapters (rank 4) on each block's attention and MLP: peft freezes
     the rest, embeddings included."""

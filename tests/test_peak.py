@@ -2,6 +2,7 @@
 2-rank gloo runs and predicted by simulating the rank's own step on fake tensors."""
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -10,7 +11,6 @@ from ddpkit.predict.gpus import CPU_ALLOWANCE
 from ddpkit.runtime.pool import shared_pool
 import fixtures_module as fm
 from ddpkit.engine.memory import KINDS, PHASES
-from ddpkit.spec.names import FSDP_STRATEGIES
 
 CPU = dict(backend="gloo", device="cpu")
 BASE = dict(model="gpt", n_blocks=3, width=64, seq_len=32, vocab=256, world_size=2,
@@ -26,22 +26,24 @@ def probed(res):
     return [m for m in res.metrics if "peak_bytes" in m]
 
 
-def check_against_prediction(cfg, res, within=0.03):
-    """Every probed step of every rank: the measured peak within ``within`` of the predicted,
-    the same phase, each ledger adding up to its peak."""
+def check_against_prediction(cfg, res, within=0.012):
+    """Every probed step of every rank: the measured peak within ``within`` of the predicted
+    (DDP, ZeRO and FSDP alike: the simulation makes gloo's collective buffers and autograd's
+    in-place sums as the rank does), the same phase, each ledger adding up to its peak."""
     est = ddpkit.estimate(cfg)
     rows = probed(res)
-    # FSDP2 on gloo (fsdp, zero2, hsdp): a reduce-scatter runs asynchronously and may hold its
-    # buffers a moment longer than the simulation's fake group, which returns at once: seen up
-    # to ~7% above on a loaded machine (never below)
-    above = 0.10 if cfg.strategy in FSDP_STRATEGIES else within
     assert {m["step"] for m in rows} == set(range(cfg.steps))  # peak_every=1: every step
     for m in rows:
         assert sum(m["peak_ledger"].values()) == m["peak_bytes"]
         assert set(m["peak_ledger"]) == set(KINDS) and m["peak_phase"] in PHASES
-        p = est.peak(step=min(m["step"], 1), rank=m["rank"])
+        p = est.peak(step=m["step"], rank=m["rank"])
         assert sum(p.ledger.values()) == p.bytes
-        assert -within * m["peak_bytes"] <= m["peak_bytes"] - p.bytes <= above * m["peak_bytes"], (m, p)
+        # FSDP on gloo: gloo's thread may free a collective's buffer after the rank allocated
+        # on, the one thing the prediction says it does not time (its bytes, in .assumed)
+        late = [int(x.group(1).replace(",", "")) for line in p.assumed
+                if (x := re.search(r"up to ([\d,]+) B higher", line))]
+        slack = within * m["peak_bytes"]
+        assert -slack <= m["peak_bytes"] - p.bytes <= slack + sum(late), (m, p)
         assert m["peak_phase"] == p.phase, (m["step"], m["peak_by_phase"], p.by_phase)
     return rows
 
@@ -58,11 +60,58 @@ def test_the_measured_peak_is_the_predicted_one(pool, change):
     check_against_prediction(cfg, ddpkit.train(cfg, pool=pool))
 
 
-def test_a_transformers_model_peaks_where_predicted(pool):
+@pytest.mark.parametrize("name, change", [
+    ("mamba", dict(checkpoint=2)),                          # was -3.9%: autograd's in-place sums
+    # FSDP within DDP's line is the built-in GPT's above (fsdp+selective: gloo's buffers); the
+    # same faults on more models, FSDP with full checkpointing: --breadth (CI's budget)
+    pytest.param("gemma2", dict(strategy="fsdp", checkpoint="full"),  # was +4.8%: RNG state
+                 marks=pytest.mark.breadth),
+    pytest.param("gpt-neox", dict(strategy="fsdp"), marks=pytest.mark.breadth),  # was +3.0%
+    pytest.param("mamba", dict(strategy="fsdp"), marks=pytest.mark.breadth),     # was -6.2%
+], ids=["mamba-2seg", "gemma2-fsdp-full", "neox-fsdp", "mamba-fsdp"])
+def test_fsdp_and_mamba_peak_as_exactly_as_ddp(pool, name, change):
+    """Issue #41 item 5: tiny transformers models, 2 ranks, AdamW, every step probed: the
+    measured peak is the simulated one within DDP's line (1.2%), the same phase, per kind."""
     pytest.importorskip("transformers")
-    cfg = ddpkit.TrainConfig(model=fm.make_gpt2, micro_batch=2, seq_len=32, world_size=2,
-                             optimizer="adamw", steps=2, peak_every=1, checkpoint=2, **CPU)
-    check_against_prediction(cfg, ddpkit.train(cfg, pool=pool))
+    import families
+
+    cfg = families.config(name, optimizer="adamw", steps=2, peak_every=1, **change)
+    rows = check_against_prediction(cfg, ddpkit.train(cfg, pool=pool))
+    est = ddpkit.estimate(cfg)
+    for m in rows:  # what the peak is made of, kind by kind (a few bytes of the rank's own)
+        got, want = dict(m["peak_ledger"]), dict(est.peak(step=m["step"], rank=m["rank"]).ledger)
+        # a gradient summed in place may be a temporary on the rank where the simulation
+        # names it a gradient (one weight's, in Mamba's checkpointed scan): said as one
+        for d in (got, want):
+            d["gradients"] += d.pop("temporaries")
+        if got["other"] < 0:
+            # the measured ledger itself is off: a block of gloo's thread, freed there as the
+            # main thread reuses its address, read as still live (its total is right)
+            continue
+        # gloo's buffer freed late (said in .assumed, with its bytes) shows as FSDP's buffers
+        p = est.peak(step=m["step"], rank=m["rank"])
+        late = sum(int(x.group(1).replace(",", "")) for line in p.assumed
+                   if (x := re.search(r"up to ([\d,]+) B higher", line)))
+        off = {k: (got[k], want[k]) for k in got if abs(got[k] - want[k]) > 128 and not
+               (k == "fsdp_buffers" and 0 <= got[k] - want[k] <= late)}
+        assert not off, (m["step"], m["rank"], off)
+
+
+def test_a_transformers_model_peaks_where_predicted(pool):
+    # GPT-2's lm_head reads wte's weight (tied, here large next to the rest): autograd sums the
+    # weight's two gradients anew, not in place, as the buffered one (lm_head's) is a transposed
+    # view whose base holds its storage too. Notebook 12's backward peak at step 1 was one
+    # wte-sized gradient low when the simulation summed it in place.
+    pytest.importorskip("transformers")
+    cfg = ddpkit.TrainConfig(model=fm.make_wide_vocab_gpt2, micro_batch=1, seq_len=16,
+                             world_size=2, optimizer="adamw", steps=2, peak_every=1,
+                             checkpoint=2, **CPU)
+    rows = check_against_prediction(cfg, ddpkit.train(cfg, pool=pool))
+    est = ddpkit.estimate(cfg)
+    for m in rows:  # every phase's highest moment, to a few bytes of the rank's own
+        want = est.peak(step=m["step"], rank=m["rank"]).by_phase
+        assert {k: m["peak_by_phase"][k] - want[k] in range(-64, 65) for k in want} == \
+            dict.fromkeys(want, True), (m["step"], m["peak_by_phase"], want)
 
 
 def test_steps_zero_one_and_steady_differ_as_predicted(pool):
@@ -74,10 +123,12 @@ def test_steps_zero_one_and_steady_differ_as_predicted(pool):
     assert first.phase == second.phase == "backward"
     # step 0 runs its backward before AdamW has made its two moments; after, they are there
     assert second.bytes - first.bytes == second.ledger["optimizer_state"] > 0
-    # step 1: DDP rebuilds its buckets, freeing the first ones before it allocates the new
-    assert second == steady and est.peak() == second
+    # step 1: DDP rebuilds its buckets, freeing the first ones before it allocates the new;
+    # every later step is the steady state too, so a record's own step number is a question
+    assert second == steady == est.peak(step=2) == est.peak(step=3) and est.peak() == second
     for m in rows:
-        want = first if m["step"] == 0 else second
+        want = est.peak(step=m["step"])
+        assert want == (first if m["step"] == 0 else second)
         assert m["peak_bytes"] - want.bytes in range(-64, 65)  # a few scalars of the rank's own
         assert m["peak_ledger"]["optimizer_state"] == want.ledger["optimizer_state"]
 
@@ -267,7 +318,10 @@ def test_fits_accepts_the_common_spellings_of_a_card(name):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda e: e.peak(step=5), r"peak\(step=5\): pass 0 .* 1 or 'steady'"),
+    (lambda e: e.peak(step=-1), r"peak\(step=-1\): pass 0 .* a step number from 1 on or "
+                                r"'steady'"),
+    (lambda e: e.peak(step=1.5), r"peak\(step=1.5\): pass 0"),
+    (lambda e: e.peak(step=True), r"peak\(step=True\): pass 0"),
     (lambda e: e.peak(rank=2), r"peak\(rank=2\): pass a rank in 0..1 or None"),
     (lambda e: e.fits("T4", allowance=-0.1), r"allowance=-0.1: pass a fraction of the peak >= 0"),
     (lambda e: e.fits("A100"), r"gpu='A100' is not a card ddpkit knows \(it came with 40GB "
@@ -294,7 +348,7 @@ def test_plain_ddp_ranks_simulate_alike_so_one_simulation_serves_all():
     cfg = ddpkit.TrainConfig(**{**BASE, "accum_steps": 2, "checkpoint": "full"})
     r0, r1 = simulate(cfg, 0), simulate(cfg, 1)
     assert [dataclasses.astuple(p) for p in r0.peaks] == [dataclasses.astuple(p) for p in r1.peaks]
-    assert r0.loads == r1.loads and r0.segments == r1.segments
+    assert r0.loads == r1.loads and len(r0.stream) == len(r1.stream)
     assert simulated(cfg, 1).rank == 1 and simulated(cfg, 1).peaks == r0.peaks
     zero = cfg.replace(strategy="ddp_zero1")  # each rank holds its own shard's state
     assert simulated(zero, 0).peaks != simulated(zero, 1).peaks

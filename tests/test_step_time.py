@@ -179,3 +179,23 @@ def test_a_small_steps_prediction_measures_no_rate_table(monkeypatch):
     end = next(e for e in stream if getattr(e, "name", "") == "_record_function_exit")
     assert m.op_s(end) == m.overhead[end.phase or "other"]  # its dispatch, no work
     assert play_stream(stream, m, ranks=2)[0] > 0
+
+
+def test_a_composed_models_step_time_plays_a_simulated_stream(monkeypatch):
+    """A large model's bytes are composed from per-block pieces (no op stream); its step time
+    plays the stream of the model cut to 3 and 4 blocks, extended (a setting alike on every
+    block), or of the whole model: the same time as without composing."""
+    from ddpkit.predict import peak, scale
+
+    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=9, width=32, seq_len=8, micro_batch=2,
+                             world_size=2)
+    values = (None,)  # a setting alike on every block: the stream extended from 3 and 4 blocks
+    whole = {i: step_time(cfg.replace(checkpoint=v), machine=machine()).seconds
+             for i, v in enumerate(values)}
+    monkeypatch.setattr(peak, "SCALE_ABOVE", 0)  # every model composed
+    monkeypatch.setattr(scale, "SCALE_ABOVE", 0)
+    monkeypatch.setattr(peak, "_MEMO", {})  # and none of the whole ones remembered
+    for i, v in enumerate(values):
+        c = cfg.replace(checkpoint=v)
+        assert peak.simulated(c, 0).how == "composed" and peak.simulated(c, 0).stream is None
+        assert step_time(c, machine=machine()).seconds == pytest.approx(whole[i], rel=2e-3)

@@ -66,6 +66,9 @@ class Peak:
     base: int = 0
     """Bytes live when the step began (a step boundary: parameters, optimizer state, DDP's
     buckets); the step's own rise is ``bytes - base``."""
+    assumed: tuple = ()
+    """A prediction's: what sized each data-dependent op (the batch's values, the routing
+    assumed, an upper bound), one line each (`ddpkit.predict.datadep`); empty for none."""
 
     def __post_init__(self):
         self.ledger = {k: int(self.ledger.get(k, 0)) for k in KINDS}
@@ -81,7 +84,9 @@ class Peak:
 
     def __repr__(self):
         parts = ", ".join(f"{k} {_fmt(v)}" for k, v in self.ledger.items() if v)
-        return f"Peak({_fmt(self.bytes)} in the {self.phase}: {parts})"
+        said = f"; {self.assumed[0]}{' (and more: .assumed)' if self.assumed[1:] else ''}" \
+            if self.assumed else ""
+        return f"Peak({_fmt(self.bytes)} in the {self.phase}: {parts}{said})"
 
 
 def _fmt(n):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -53,7 +54,7 @@ class ActivationProbe:
         self.saved_keys, self.saved_addresses = [], []
         self.owner = None     # who saves now (the estimate sets the running block's index)
         self.by_owner = {}    # owner -> bytes it saved, in the last forward
-        self._seen = set()
+        self._seen = {}       # storage id -> (weak ref, bytes, owner, address): this forward's
         self._params = set()
         self._model = None
         self._known = None    # (model, its parameters' storages) when not sharded
@@ -69,9 +70,13 @@ class ActivationProbe:
     def _count(self, t):
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        key, nbytes = storage(t)
-        if key in self._params or key in self._seen or nbytes == 0:
+        st = t.untyped_storage()
+        key, nbytes = st._cdata, st.nbytes()
+        if key in self._params or nbytes == 0:
             return
+        hit = self._seen.get(key)
+        if hit is not None and hit[0]() is not None:
+            return  # counted, and still alive (a dead one's address may be taken again)
         if self._model is not None:
             # FSDP's gathered (unsharded) parameters are plain tensors; its shards, DTensors,
             # are never saved by the forward: only the former are looked up
@@ -79,13 +84,22 @@ class ActivationProbe:
                              if not hasattr(p, "to_local")}
             if key in self._params:
                 return
-        self._seen.add(key)
-        self.bytes += nbytes
-        self.saved_keys[-1].append(key)
-        if not is_fake(t):  # a FakeTensor's storage has no address (the estimate's trace)
-            self.saved_addresses[-1].append(t.untyped_storage().data_ptr())
-        if self.owner is not None:  # only the estimate's per-block trace names owners
-            self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + nbytes
+        # a FakeTensor's storage has no address (the estimate's trace)
+        address = None if is_fake(t) else st.data_ptr()
+        self._seen[key] = (weakref.ref(st), nbytes, self.owner, address)
+
+    def _settle(self):
+        """What the forward saved and still holds: a saved tensor whose graph died before the
+        forward ended (an output the model dropped, as a router's replaced top-k) is not
+        held, and its address may have been taken by another since."""
+        held = [(k, v) for k, v in self._seen.items() if v[0]() is not None]
+        self.bytes = sum(v[1] for _, v in held)
+        self.saved_keys[-1] = [k for k, _ in held]
+        self.saved_addresses[-1] = [v[3] for _, v in held if v[3] is not None]
+        self.by_owner = {}
+        for _, (_, nbytes, owner, _) in held:
+            if owner is not None:  # only the estimate's per-block trace names owners
+                self.by_owner[owner] = self.by_owner.get(owner, 0) + nbytes
 
     @contextlib.contextmanager
     def forward(self, model):
@@ -117,6 +131,7 @@ class ActivationProbe:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield self
         finally:
+            self._settle()
             self.max_bytes = max(self.max_bytes, self.bytes)
             if policy is not None:
                 policy.on_segment_input = None

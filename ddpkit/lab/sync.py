@@ -105,7 +105,7 @@ class ConfigSync:
             top = sorted(((v, k) for k, v in p.ledger.items() if v), reverse=True)[:3]
             text = (f"<b>the step's peak</b>: {fmt_bytes(p.bytes)} in the {p.phase} ("
                     + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for v, k in top) + ")"
-                    + _step_text(e))
+                    + _assumed_text(p) + _step_text(e))
         except Exception as exc:  # noqa: BLE001 (shown in the read-out, never raised here)
             text = f"<span style='color:#b00'>{html.escape(f'{type(exc).__name__}: {exc}')}</span>"
         with self._lock:
@@ -143,6 +143,15 @@ def readout(describe):
         return f"<span style='color:#b00'>{html.escape(str(exc))}</span>", None, None
     e = estimate(cfg)
     return _readout(e, "<i>simulating the step...</i>"), cfg, e
+
+
+def _assumed_text(p):
+    """What sized the peak's data-dependent ops (a mixture of experts' routing assumed, an upper
+    bound), where any did: the first, and how many more `Peak.assumed` holds."""
+    if not p.assumed:
+        return ""
+    more = f" (and {len(p.assumed) - 1} more: .peak().assumed)" if p.assumed[1:] else ""
+    return f"<br><i>assumed: {html.escape(p.assumed[0])}{more}</i>"
 
 
 def _step_text(e):

@@ -80,13 +80,17 @@ class Estimate:
     method: str = "formula"
     """'formula' (built-in models, first principles) or 'traced' (FakeTensorMode)."""
     config: object = field(default=None, repr=False, compare=False)
+    assumed: tuple = ()
+    """What sized each data-dependent op of the traced forward and backward (the batch's values,
+    the routing assumed, an upper bound: `ddpkit.predict.datadep`), one line each."""
 
     def peak(self, step=None, rank=None):
         """The step's predicted peak per rank, a `ddpkit.engine.memory.Peak` (``bytes``,
         ``phase``, ``ledger``: bytes by kind at that moment), from the rank's own step simulated
-        on fake tensors (`ddpkit.predict.peak`). ``step``: 0 (the optimizer state is made), 1
-        or 'steady' (every step after: DDP's rebuild of its buckets at step 1 frees as much as it
-        allocates), None: the higher. ``rank``: None is the heaviest rank."""
+        on fake tensors (`ddpkit.predict.peak`). ``step``: 0 (the optimizer state is made), any
+        step number from 1 on or 'steady' (all the steady state: DDP's rebuild of its buckets at
+        step 1 frees as much as it allocates), None: the higher. ``rank``: None is the heaviest
+        rank."""
         return predicted_peak(self.config, step, rank)
 
     def step_time(self, device=None, link=None, rank=None):
@@ -130,9 +134,11 @@ class Estimate:
 
     def __repr__(self):
         mib = human_bytes
+        said = f"; {len(self.assumed)} data-dependent op(s) sized by .assumed" \
+            if self.assumed else ""
         return (f"Estimate(params={mib(self.params)}, grads={mib(self.grads)}, "
                 f"optimizer={mib(self.optimizer)}, activations={mib(self.activations)}; "
-                f"the step's peak: .peak())")
+                f"the step's peak: .peak(){said})")
 
 
 def param_count(cfg):
@@ -248,10 +254,11 @@ def estimate(cfg) -> Estimate:
     t = traced(cfg)
     costs = [BlockCost(name, keeps, boundary, flops) for name, keeps, boundary, flops
              in zip(t.block_names, t.block_keeps, t.block_boundary, t.block_flops)]
+    activations = trace_activations(cfg)
     return Estimate(params=t.param_bytes // shards, grads=t.trainable_bytes // shards,
                     optimizer=optimizer_bytes(cfg, t.trainable_bytes // F32),
-                    activations=trace_activations(cfg), blocks=costs, method="traced",
+                    activations=activations, blocks=costs, method="traced",
                     activation_per_block=max(t.block_keeps), boundary=max(t.block_boundary),
-                    config=cfg)
+                    config=cfg, assumed=tuple(t.datadep.lines()))
 
 

@@ -19,11 +19,29 @@ fake group, each adjusted here with why the bytes stay the same.
   profiler ranges).
 * DTensor works out each new op's output metadata by running it on global-shape fake tensors,
   once per op and sharding: not a rank's bytes, so not counted.
+* autograd sums two gradients of one tensor in place when it holds the only reference to the
+  buffered one and its storage (``InputBuffer::accumulate``: ``old.add_(new)``; a view is
+  never summed into, its base holds the storage too), but never for a tensor subclass or
+  while a dispatch mode is on (``isTensorSubclassLike``): a fake run always makes the sum anew,
+  holding three tensors where the rank holds two (a residual stream's gradient, a weight read
+  by slices: an MoE expert's, Mamba's scan). `Accumulations` puts the sum back in place: a
+  buffered gradient, no view, that dies as soon as its sum is made is freed just before the
+  sum is allocated (a tied weight's, whose buffered gradient is lm_head's transposed view, is
+  summed anew on the rank as in the simulation).
+* A checkpointed region keeps the CPU generator's state (``torch.get_rng_state()``, 5,056
+  bytes) until its recompute, when ``preserve_rng_state`` is on: a real tensor made outside the
+  dispatcher, so no dispatch mode sees it. On a CPU rank `watch_rng_states` counts it while it
+  lives (on a CUDA rank it is host memory, not the GPU's).
+* gloo's reduce-scatter copies its whole input (``input.clone()``, freed when the op ends) and
+  its all-gather fills an output-sized buffer, twice; NCCL's need no tensor of torch's. On a
+  CPU (gloo) rank the fake group's collectives allocate those too (`gloo_buffers`): FSDP's
+  reduce-scatter, all-gather and ZeRO's broadcasts.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 
 import torch
@@ -163,6 +181,157 @@ def skip_dtensor_meta(live):
         yield
     finally:
         setattr(ShardingPropagator, name, original)
+
+@contextlib.contextmanager
+def watch_rng_states(live, on):
+    """Each CPU generator state taken while ``on`` is one of the rank's storages (the note)."""
+    original = torch.get_rng_state
+
+    def get_rng_state():
+        state = original()
+        live.add(state.untyped_storage())
+        return state
+    if on:
+        torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+_GLOO = {  # collective -> (the argument gloo copies or fills, its position, how many times)
+    "reduce_scatter_single": ("input", 1, 1), "reduce_scatter_tensor": ("input", 1, 1),
+    "all_gather_single": ("output_tensor", 0, 2), "all_gather_into_tensor": ("output_tensor", 0, 2),
+    "all_gather": ("tensor_list", 0, 2),
+}
+
+
+@contextlib.contextmanager
+def gloo_buffers(on, largest=None):
+    """On a CPU (gloo) rank, the fake group's collectives make the tensors gloo makes (the
+    module's note): a reduce-scatter's copy of its input, held while it runs; an all-gather's
+    output-sized buffer, made and freed twice. ``largest`` (a list) gets the largest in bytes:
+    gloo frees it on its own thread as the collective ends, and on a busy machine it can outlive
+    the collective while the rank allocates on (`late_note`)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    names = [n for n in _GLOO if on and hasattr(c10d, n)]
+    originals = {n: getattr(c10d, n) for n in names}
+
+    def around(name, fn):
+        arg, position, times = _GLOO[name]
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            like = kwargs[arg] if arg in kwargs else args[position]
+            shape = (len(like), *like[0].shape) if isinstance(like, (list, tuple)) else like.shape
+            first = like[0] if isinstance(like, (list, tuple)) else like
+            if largest is not None:
+                largest.append(max(largest.pop() if largest else 0,
+                                   math.prod(shape) * first.element_size()))
+            if times == 1:  # held while the collective runs
+                held = torch.empty(shape, dtype=first.dtype, device=first.device)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    del held
+            for _ in range(times):  # made and freed, one after the other
+                torch.empty(shape, dtype=first.dtype, device=first.device)
+            return fn(*args, **kwargs)
+        return run
+    for n, fn in originals.items():
+        setattr(c10d, n, around(n, fn))
+        setattr(dist, n, getattr(c10d, n))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(c10d, n, fn)
+            setattr(dist, n, fn)
+
+
+def late_note(largest):
+    """What the simulated peak cannot say of gloo's buffers: their timing (``largest``: bytes)."""
+    return (f"fsdp_buffers: gloo frees its collective buffers (the largest {largest:,} B) on its "
+            f"own thread as each collective ends; on a busy machine one can outlive it while the "
+            f"rank allocates on, and the measured peak be up to {largest:,} B higher (its timing "
+            f"is not modelled)")
+
+
+class Accumulations:
+    """autograd's in-place gradient sum, put back (the module's note). `LiveStorages` reports
+    each ``aten.add.Tensor`` the autograd engine runs (`added`) and each free (`died`); at the
+    next op (`settle`), a summand that died since is moved to just before the sum was allocated:
+    the bytes the rank holds, which updates that summand in place."""
+
+    def __init__(self, live):
+        self.live, self.pending = live, None  # (index of the sum's allocation, the buffered
+        # summand's key, index of its free or None)
+        self.links = []  # (sum's key, event index of its allocation, summand's key): one block
+        # (the summand's free is the event just before the sum's allocation)
+
+    def seen_through(self, seen, start):
+        """``seen`` (kind, key, index from ``start``) observations, plus the same kind for
+        each summand a seen sum continues (the rank's one block, updated in place, is that
+        kind all its life: a gradient summed over an MoE's experts is a gradient)."""
+        events = self.live.events[start:]
+        freed = {}  # (key, allocation index) -> index of its free
+        alloc = {}
+        for i, (size, key, _, _) in enumerate(events):
+            if size > 0:
+                alloc[key] = i
+            elif key in alloc:
+                freed[key, alloc.pop(key)] = i
+        by_sum = {}
+        for key, at, old in self.links:
+            if at >= start:  # the sum's block: from its allocation to its free
+                end = freed.get((key, at - start), len(events) + 1)
+                by_sum.setdefault(key, []).append((at - start, end, old))
+        out, todo = list(seen), list(seen)
+        while todo:
+            kind, key, index = todo.pop()
+            for at, end, old in by_sum.get(key, ()):
+                if at <= index < end:  # the summand lived until just before the sum was made
+                    todo.append((kind, old, at - 2))
+                    out.append((kind, old, at - 2))
+        return out
+
+    def added(self, func, args, kwargs, out, index):
+        if func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2 or \
+                torch._C._current_autograd_node() is None or index is None:
+            return
+        from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+        # ``old + new``: only the buffered gradient (the first) is ever updated in place, and
+        # only where its storage has no other holder: a view's base holds it too (lm_head's
+        # gradient of a tied embedding weight is a transposed view: summed anew on the rank)
+        old, new = args
+        if not all(isinstance(t, torch.Tensor) and t.shape == out.shape and t.dtype == out.dtype
+                   for t in (old, new)) or old._is_view() or not dense(old):
+            return
+        self.pending = (index, old.untyped_storage()._cdata, None)
+
+    def died(self, key, index):
+        if self.pending is not None and key == self.pending[1]:
+            self.pending = (*self.pending[:2], index)
+
+    def settle(self):
+        """The pending sum: in place on the buffered gradient where it died as the sum was
+        made (its last reference was the engine's), as the rank's autograd makes it."""
+        if self.pending is None:
+            return
+        at, key, j = self.pending
+        self.pending = None
+        if j is None:
+            return
+        live = self.live
+        total = live.totals[at] - live.events[at][0]  # before the sum was allocated
+        live.events.insert(at, live.events.pop(j))
+        self.links.append((live.events[at + 1][1], at + 1, key))
+        for i in range(at, j + 1):
+            total += live.events[i][0]
+            live.totals[i] = total
+
 
 def watch_buckets(wrapped, plan, handed=None):
     """Register the simulation's comm hook on DDP (``plan``: the rank's `RankPlan`); return what

@@ -1,6 +1,7 @@
 """The step's peak, answered: `predicted_peak` (what ``estimate(cfg).peak()`` returns) from the
-rank's step simulated on fake tensors (`simulate`), or, for a large model with a setting alike
-on every block, composed from the simulations of 3 and 4 blocks (`scale`); memoised per
+rank's step simulated on fake tensors (`simulate`), or, for a large model, composed from the
+pieces of the model cut to a few blocks (`compose`: one `compose.Library` per config and rank,
+whatever its checkpoint setting, so a new setting costs no simulation); memoised per
 memory-relevant setting, one simulation per setting at a time.
 """
 from __future__ import annotations
@@ -10,7 +11,9 @@ import functools
 import threading
 
 from . import scale
+from .compose import Library, composable
 from .simulate import simulate
+from .trace import SCALE_ABOVE
 _MEMO, _MEMO_LOCK = {}, threading.Lock()
 _RUNNING = {}  # key -> threading.Event: a simulation under way, set when it ends
 _NOT_MEMORY = ("steps", "lr", "warmup_steps", "seed", "measure", "save_every", "save_dir",
@@ -26,7 +29,8 @@ def _key(cfg, rank):
 
 def simulated(cfg, rank, target=None):
     """`simulate(cfg, rank)`, memoised per memory-relevant setting (the Lab and `plan` ask the
-    same question often). One simulation per setting at a time: a thread that asks while
+    same question often), or for a large model composed (`compose`: its ``stream`` is None;
+    `streamed` gives one). One simulation per setting at a time: a thread that asks while
     another simulates the same (the Lab's read-out and a cell's ``estimate(cfg).peak()``)
     waits for its answer instead of simulating it again. ``target``: simulate it as a CUDA
     rank on that GPU (`simulate.simulate`'s ``target``; part of the memo's key)."""
@@ -34,7 +38,32 @@ def simulated(cfg, rank, target=None):
         # plain DDP: every rank runs the same step on a batch of the same shapes (the template
         # is the rank's first batch, whatever the rank), so rank 0's simulation is every rank's
         return dataclasses.replace(simulated(cfg, 0, target), rank=rank)
-    key = _key(cfg, rank) + (target,)
+    if composable(cfg, SCALE_ABOVE):
+        return _memoised(cfg, _key(cfg, rank) + (target,), lambda: library(
+            cfg, rank, target).compose(cfg.checkpoint))
+    return _memoised(cfg, _key(cfg, rank) + (target,), lambda: simulate(cfg, rank, target=target))
+
+
+def streamed(cfg, rank, target=None):
+    """A `Simulation` of ``cfg``'s rank with its op stream (what `steptime` plays): `simulated`'s
+    where it simulated the whole model; for a composed one, the stream of the model cut to 3 and
+    4 blocks extended to all (`scale.streamed`) where the setting is alike on every block, else
+    the whole model simulated (its peaks are the composed ones)."""
+    sim = simulated(cfg, rank, target)
+    if sim.stream is not None:
+        return sim
+    if cfg.strategy == "ddp" and cfg.optimizer != "zero1" and rank:
+        return dataclasses.replace(streamed(cfg, 0, target), rank=rank)
+
+    def make():
+        run = functools.partial(simulate, target=target)
+        whole = scale.streamed(run, cfg, rank) if scale.scalable(cfg) else run(cfg, rank).stream
+        return dataclasses.replace(sim, stream=whole)
+    return _memoised(cfg, _key(cfg, rank) + (target, "stream"), make)
+
+
+def _memoised(cfg, key, make):
+    """``make()`` memoised under ``key`` (of ``cfg``), one maker at a time per key."""
     while True:
         with _MEMO_LOCK:
             hit = _MEMO.get(key)
@@ -46,8 +75,7 @@ def simulated(cfg, rank, target=None):
                 break
         running.wait()  # then the memo has it (or it failed: this thread simulates itself)
     try:
-        run = functools.partial(simulate, target=target)
-        sim = scale.scaled(run, cfg, rank) if scale.scalable(cfg) else run(cfg, rank)
+        sim = make()
         with _MEMO_LOCK:
             if len(_MEMO) > 64:
                 _MEMO.clear()
@@ -59,20 +87,42 @@ def simulated(cfg, rank, target=None):
         running.set()
 
 
+_LIBRARIES = {}
+
+
+def library(cfg, rank, target=None):
+    """The `compose.Library` of ``cfg``'s rank ``rank`` (as a CUDA rank on ``target``, where
+    given): one per config less its checkpoint setting (the pieces of every setting, simulated
+    as settings ask for them)."""
+    key = _key(cfg.replace(checkpoint=None), rank) + (target,)
+    with _MEMO_LOCK:
+        hit = _LIBRARIES.get(key)
+        if hit is None or hit.cfg.model is not cfg.model or hit.cfg.data is not cfg.data:
+            if len(_LIBRARIES) > 16:
+                _LIBRARIES.clear()
+            hit = _LIBRARIES[key] = Library(cfg, rank, simulate, target)
+        return hit
+
+
 def predicted_peak(cfg, step=None, rank=None):
-    """The predicted `Peak` of ``cfg``'s step ``step`` (0: the optimizer state is made; 1 or
-    'steady': every step after; None: the higher) on rank ``rank`` (None: the heaviest: the
-    rank whose optimizer updates the most parameters, rank 0 on a tie)."""
-    if step not in (None, 0, 1, "steady"):
+    """The predicted `Peak` of ``cfg``'s step ``step`` on rank ``rank`` (None: the heaviest: the
+    rank whose optimizer updates the most parameters, rank 0 on a tie). ``step``: 0 (the first
+    step, which makes the optimizer state); any step from 1 on, or 'steady' (every step from 1
+    on is the steady state: the simulation of step 1 answers them all, so a record's own step
+    number can be passed as it is); None: the higher of step 0 and the steady state."""
+    number = isinstance(step, int) and not isinstance(step, bool)
+    steady = (isinstance(step, str) and step == "steady") or (number and step >= 1)
+    if not (step is None or steady or (number and step == 0)):
         raise ValueError(f"peak(step={step!r}): pass 0 (the first step, which makes the "
-                         f"optimizer state), 1 or 'steady' (every step after), or None (the higher)")
+                         f"optimizer state), a step number from 1 on or 'steady' (every step "
+                         f"from 1 on is the steady state), or None (the higher)")
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < cfg.world_size):
         raise ValueError(f"peak(rank={rank!r}): pass a rank in 0..{cfg.world_size - 1} or None "
                          f"(the heaviest)")
     sim = simulated(cfg, heaviest_rank(cfg) if rank is None else rank)
     if step is None:
         return max(sim.peaks, key=lambda p: p.bytes)
-    return sim.peaks[0 if step == 0 else 1]
+    return sim.peaks[1 if steady else 0]
 
 
 def heaviest_rank(cfg, target=None):

@@ -31,10 +31,15 @@ block alone checkpointed, minus the step with none), a selective mask costs
 The masks on the Pareto frontier of (FLOPs, activation peak) are enumerated exactly (every mask
 up to 16 blocks, every count per group of identical blocks beyond; this is the knapsack
 torch's ``torch.distributed._tools.sac_ilp`` solves with an ILP per operator). Each mask's step
-peak is then placed by the simulated step without checkpointing: its forward and backward
-phases lower by what the mask saves, its optimizer phase stays. The cheapest mask placed
-within the budget is simulated itself, and taken when its simulated peak fits (else the next):
-the plan's bytes are always a simulated step's.
+peak is first placed by the simulated step without checkpointing (its forward and backward
+phases lower by what the mask saves, its optimizer phase stays): the search's key, which can be
+optimistic by a few percent (a region's recompute comes back inside the backward, above where
+the placing puts it). So no row's bytes are placed ones: each mask on that placed frontier is
+simulated itself when its peak is first asked for (`Choice.total`: `peak.predicted_peak`, what
+``estimate(cfg).peak()`` answers; composed from per-block pieces for a large model, so a row
+costs arithmetic). The choice is the cheapest row whose simulated peak fits (every cheaper row
+simulated and above the budget), and the table (`Plan.frontier_table`) shows every row
+simulated, kept on those simulated peaks.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ from .units import fmt_bytes
 @dataclass
 class Choice:
     """One point of the trade-off: a per-block mask and what it costs per rank. ``peak``: its
-    simulated step peak, once simulated (`plan` simulates the one it takes)."""
+    simulated step peak, once simulated (`plan` simulates every row it shows)."""
     mask: tuple
     activations: int
     peak_activations: int
@@ -65,10 +70,15 @@ class Choice:
     placed: int = 0
     """The step peak placed from the simulated step without checkpointing (the search's key)."""
     peak: object = None
+    config: object = field(default=None, repr=False, compare=False)
+    """The config whose row this is: its peak is simulated when first asked for (`total`)."""
 
     @property
     def total(self):
-        """Predicted bytes per rank at the step's peak: simulated when it was, else placed."""
+        """Predicted bytes per rank at the step's peak: its simulated step's (simulated on first
+        use where the row has its config; else placed)."""
+        if self.peak is None and self.config is not None:
+            self.peak = predicted_peak(self.config.replace(checkpoint=self.checkpoint))
         return self.peak.bytes if self.peak is not None else self.placed
 
     @property
@@ -110,14 +120,15 @@ class Plan:
         return (cfg or self.config).replace(checkpoint=self.checkpoint)
 
     def frontier_table(self):
-        """The frontier: each mask's activations, placed step peak and FLOP ratio."""
+        """The frontier: each mask's activations, simulated step peak and FLOP ratio (every row
+        simulated, and kept where no other row has both fewer FLOPs and a lower peak)."""
         import pandas as pd
 
         return pd.DataFrame([dict(checkpointed=sum(c.mask), mask=str(c.setting.with_value(c.mask)),
                                   activation_bytes=c.activations, peak_bytes=c.total,
                                   simulated=c.peak is not None, flops_ratio=round(c.flops_ratio, 4),
                                   chosen=self.choice is not None and c.mask == self.choice.mask)
-                             for c in self.frontier])
+                             for c in frontier(self.frontier)])
 
     def __repr__(self):
         gib = fmt_bytes
@@ -238,13 +249,14 @@ def _masks(fig, limit=1_000_000):
         yield tuple(mask)
 
 
-def frontier(choices):
-    """The Pareto-optimal choices: none other has both fewer FLOPs and a lower peak."""
+def frontier(choices, by="total"):
+    """The Pareto-optimal choices: none other has both fewer FLOPs and a lower peak (``by``:
+    'total', the simulated peak; 'placed', the search's key, simulating nothing)."""
     best, out = None, []
-    for c in sorted(choices, key=lambda c: (c.flops, c.total)):
-        if best is None or c.total < best:
+    for c in sorted(choices, key=lambda c: (c.flops, getattr(c, by))):
+        if best is None or getattr(c, by) < best:
             out.append(c)
-            best = c.total
+            best = getattr(c, by)
     return out
 
 
@@ -260,19 +272,19 @@ def plan(cfg, memory_budget, allowance=None):
     budget = allowed.room(given)  # what the step's tensors may peak at
     fig = _figures(cfg)
     unchecked = predicted_peak(cfg.replace(checkpoint=None))
-    front = frontier(_place(_choice(fig, CheckpointSetting.from_mask(m, fig.none.stacks)), fig,
-                            unchecked)
-                     for m in _masks(fig))
+    front = frontier((_place(_choice(fig, CheckpointSetting.from_mask(m, fig.none.stacks)), fig,
+                             unchecked) for m in _masks(fig)), by="placed")
+    for c in front:  # each row's peak: its own simulated step, on first use
+        c.config = cfg
     # every block checkpointed keeps the fewest activations: what checkpointing can reach
     lowest = unchecked if not front[1:] else predicted_peak(cfg.replace(checkpoint="full"))
     if min(lowest.bytes, unchecked.bytes) > budget:
         return Plan(budget, None, front, _alternatives(cfg, budget), cfg,
                     _out_of_reach(unchecked, lowest), unchecked, allowed, given)
-    for c in front:  # cheapest first; simulate those placed within the budget
-        if c.placed <= budget:
-            c.peak = predicted_peak(cfg.replace(checkpoint=c.checkpoint))
-            if c.peak.bytes <= budget:
-                return Plan(budget, c, front, [], cfg, "", unchecked, allowed, given)
+    # the cheapest row whose simulated peak fits (the rows cheaper than it: simulated, above)
+    choice = next((c for c in front if c.total <= budget), None)
+    if choice is not None:
+        return Plan(budget, choice, front, [], cfg, "", unchecked, allowed, given)
     reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
               f"{fmt_bytes(min(c.total for c in front))})")
     return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked, allowed,

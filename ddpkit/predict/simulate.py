@@ -53,9 +53,10 @@ from ..spec.model import describe_spec, fake_model
 from ..spec.setting import CheckpointSetting
 from . import cudastreams
 from .optrace import OpTrace
+from .datadep import DataDependence
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
-from .fakeworld import (fake_world, mark_fsdp_collectives, skip_dtensor_meta, watch_buckets,
-                        watch_storage_resizes)
+from .fakeworld import (Accumulations, fake_world, gloo_buffers, late_note, mark_fsdp_collectives,
+                        skip_dtensor_meta, watch_buckets, watch_rng_states, watch_storage_resizes)
 
 _LOCK = threading.RLock()  # one fake world at a time (the Lab's threads)
 CUDA_BLOCK = 512
@@ -74,6 +75,8 @@ class LiveStorages(TorchDispatchMode):
         self.forward_ends = []  # event index at the end of each forward
         self.points = []        # (event index, name): where the blocks' forward/backward begin, end
         self._refs = {}
+        self.accumulations = Accumulations(self)  # autograd's in-place sums (`fakeworld`)
+        self.observer = None  # a `pieces.Recorder`: which block each op's storages are for
 
     def _size(self, nbytes):
         return -(-nbytes // self.block) * self.block if nbytes else 0
@@ -100,6 +103,7 @@ class LiveStorages(TorchDispatchMode):
         entry = self._refs.pop(key, None)
         if entry is not None:
             self._log(-entry[1], key)
+            self.accumulations.died(key, len(self.events) - 1)
 
     def resized(self, storage, old):
         """FSDP2 frees and refills its unsharded parameters with ``storage.resize_``."""
@@ -114,24 +118,33 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # FSDP's DTensors: see the local ops they run instead
+        self.accumulations.settle()
         out = func(*args, **(kwargs or {}))
         if self.ignore:
             return out
+        made = len(self.events)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                 self.add(t.untyped_storage())
+        self.accumulations.added(func, args, kwargs, out,
+                                 len(self.events) - 1 if len(self.events) > made else None)
+        if self.observer is not None:
+            self.observer.seen_op(func, args, list(range(made, len(self.events))))
         return out
 
     def point(self, name):
+        self.accumulations.settle()
         self.points.append((len(self.events), name))
 
     @contextlib.contextmanager
     def mark(self, name):
         """`train_step`'s phase marks."""
+        self.accumulations.settle()
         outer, self.phase = self.phase, name
         try:
             yield
         finally:
+            self.accumulations.settle()
             self.phase = outer
             if name == "forward":
                 self.forward_ends.append(len(self.events))
@@ -146,24 +159,30 @@ class Simulation:
     rank: int
     peaks: list
     loads: list
-    segments: list = dataclasses.field(default_factory=list, repr=False)
-    """Per step, {segment: (highest bytes, ledger then)}: the step cut where the blocks' forward
-    ends and their backward begins and ends (`scale.py` extrapolates these in the block count)."""
     how: str = "simulated"
-    """'simulated' (the whole model) or 'scaled from 3 and 4 blocks' (`scale.py`)."""
+    """'simulated' (the whole model) or 'composed' (`compose.py`: from per-block pieces of the
+    model cut to a few blocks; ``composition`` says which were simulated and how each carried)."""
     stream: list = dataclasses.field(default_factory=list, repr=False)
     """The last step's ops and marks, in the order they ran (`optrace.OpTrace`): what the
-    step-time prediction times."""
+    step-time prediction times. None for a composed step (composed bytes, not ops:
+    `peak.streamed` gives a large model's stream)."""
+    assumed: tuple = ()
+    """What sized each data-dependent op of the step (`datadep`: the batch's values, the
+    routing assumption, an upper bound), one line each; empty when there was none."""
+    composition: object = None
+    """How a composed step was made (`compose.Composition`); None when simulated whole."""
 
 
-def simulate(cfg, rank=0, steps=2, keep=None, target=None):
+def simulate(cfg, rank=0, steps=2, keep=None, target=None, setting=None, recorder=None):
     """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
-    `Simulation`. ``keep``: only the first ``keep`` blocks of the model (`scale.py`).
-    ``target``: an `attention.CudaTarget` to simulate the rank as a CUDA rank on that GPU
-    (a named device's, `hardware.target`) whatever this machine has; None: the config's own
-    device (a CUDA rank where the config runs on CUDA here)."""
+    `Simulation`. ``target``: an `attention.CudaTarget` to simulate the rank as a CUDA rank on
+    that GPU (a named device's, `hardware.target`) whatever this machine has; None: the
+    config's own device (a CUDA rank where the config runs on CUDA here). For `compose.py` and
+    `scale.py`: ``keep``, only the first ``keep`` blocks of each stack (an int, or one per
+    stack); ``setting``, a `CheckpointSetting` of those blocks to run instead of the config's;
+    ``recorder``, a `pieces.Recorder` that marks the blocks and keeps each step's pieces."""
     with _new_objects_only() as thaw:
-        return _simulate(cfg, rank, steps, keep, thaw, target)
+        return _simulate(cfg, rank, steps, keep, thaw, target, setting, recorder)
 
 
 _FREEZE_LOCK = threading.Lock()
@@ -199,9 +218,9 @@ def _new_objects_only():
         _FREEZE_LOCK.release()
 
 
-def _simulate(cfg, rank, steps, keep, thaw, target=None):
+def _simulate(cfg, rank, steps, keep, thaw, target=None, setting=None, recorder=None):
+    backend, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     if target is None:
-        _, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
         target = run_target(cfg) if device == "cuda" else None
     cuda = target is not None
     plan = cfg.rank_plan()  # what the rank's code reads
@@ -210,21 +229,23 @@ def _simulate(cfg, rank, steps, keep, thaw, target=None):
                              precision="fp32")
     real_batch = example_batch(cfg)
     ctx = types.SimpleNamespace(rank=rank, world_size=cfg.world_size, device=torch.device("cpu"))
-    live = LiveStorages(CUDA_BLOCK if cuda else 1)
+    live, largest = LiveStorages(CUDA_BLOCK if cuda else 1), []
     mode = FakeTensorMode()
-    template = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+    datadep = DataDependence(cfg.routing)  # data-dependent ops: how each was sized, noted
+    template = tree_map(lambda t: datadep.fake(mode, t) if isinstance(t, torch.Tensor) else t,
                         real_batch)
     with rng.forked():
         model, how = fake_model(plan, mode, keep)  # no initialisation: `ddpkit.spec.empty`
     stage = functools.partial(empty.stage, who="ddpkit.estimate(cfg).peak()",
                               model_name=f"TrainConfig.model={describe_spec(cfg.model)}, built by {how}")
     blocks = resolve_blocks(model, plan.blocks)
-    # a model cut to its first blocks has one stack
-    setting = plan.checkpoint if keep is None else CheckpointSetting.of(plan.checkpoint.value,
-                                                                        len(blocks))
-    with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, \
+    if setting is None:  # a model cut to its first blocks: the config's value on those
+        setting = plan.checkpoint if keep is None else CheckpointSetting.of(
+            plan.checkpoint.value, tuple(keep) if isinstance(keep, tuple) else len(blocks))
+    with _LOCK, fake_world(rank, cfg.world_size), rng.forked(), mode, datadep, \
             live, watch_storage_resizes(live), mark_fsdp_collectives(live), \
-            skip_dtensor_meta(live):
+            skip_dtensor_meta(live), gloo_buffers(backend == "gloo" and not cuda, largest), \
+            watch_rng_states(live, not cuda):
         # made before the tracking began (no name left holding the last of them: FSDP frees
         # the originals once sharded, and so must the simulation)
         live.adopt([*model.parameters(), *model.buffers()])
@@ -242,58 +263,56 @@ def _simulate(cfg, rank, steps, keep, thaw, target=None):
             for group in optimizer.param_groups:
                 if "foreach" in group:
                     group["foreach"] = True
-        peaks, segments = [], []
-        hooks = _watch_blocks(live, blocks) + trace.watch(
-            blocks, model, grads=hasattr(wrapped, "register_comm_hook"))
-        streams = cudastreams.recorded(trace) if cuda else contextlib.nullcontext()
+        rank_parts = (model, wrapped, optimizer, policy)
+        peaks = _steps(plan, steps, live, rank_parts, (template, real_batch, buckets),
+                       (trace, recorder, blocks), (stage, target))
+        live.observer = None
+        loads = _loads(optimizer, model, cfg.world_size)
+    assumed = tuple(datadep.lines()) + ((late_note(largest[0]),) if largest else ())
+    for p in peaks:
+        p.assumed = assumed
+    return Simulation(rank, peaks, loads, stream=trace.stream, assumed=assumed)
+
+
+def _steps(plan, steps, live, rank_parts, data, watchers, where):
+    """The simulated steps' `Peak` s: ``rank_parts`` (model, wrapped, optimizer, policy) run on
+    ``data`` (the fake template batch, the real one, DDP's buckets seen), ``watchers`` (the
+    `OpTrace`, a `pieces.Recorder` or None, the blocks), ``where`` (the error stage, a CUDA
+    target or None)."""
+    model, wrapped, optimizer, _ = rank_parts
+    template, real_batch, buckets = data
+    trace, recorder, blocks = watchers
+    stage, target = where
+    peaks = []
+    hooks = trace.watch(blocks, model, grads=hasattr(wrapped, "register_comm_hook"))
+    if recorder:
+        hooks += recorder.install(live, blocks)
+        recorder.owners(model, blocks, optimizer)
+    streams = cudastreams.recorded(trace) if target is not None else contextlib.nullcontext()
+    try:
         for step in _within(streams, range(steps)):
             trace.reset()
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
             batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
-                                template) for _ in range(cfg.accum_steps))
+                                template) for _ in range(plan.accum_steps))
+            if recorder:
+                recorder.begin()
             with on_device(target), stage("the step"):
-                peak, cut = _one_step(plan, step, live, (model, wrapped, optimizer, policy),
-                                      batches, buckets, as_real_for_transformers(real_batch),
-                                      trace)
+                peak = _one_step(plan, step, live, rank_parts, batches, buckets,
+                                 as_real_for_transformers(real_batch), (trace, recorder))
             extra = cublas_workspaces(target) if target is not None else 0
             peaks.append(_plus(peak, extra))
-            segments.append({k: (v + extra, {**ledger, "other": ledger["other"] + extra})
-                             for k, (v, ledger) in cut.items()})
             zero_grad(optimizer)
+    finally:
         for h in hooks:
             h.remove()
-        loads = _loads(optimizer, model, cfg.world_size)
-    return Simulation(rank, peaks, loads, segments, stream=trace.stream)
+    return peaks
 
 
 def _within(context, items):
     """``items``, iterated inside ``context`` (FSDP2's CUDA streams, recorded)."""
     with context:
         yield from items
-
-
-def _first_tensor(values):
-    return next((t for t in tree_leaves(values) if isinstance(t, torch.Tensor)), None)
-
-
-def _watch_blocks(live, blocks):
-    """Points in the step where the blocks' forward ends (the last block's forward returns) and
-    their backward begins (the gradient of the last block's output arrives) and ends (the
-    gradient of the first block's input)."""
-    def after_last(module, args, out):
-        if live.phase != "forward":
-            return  # a checkpointed block run again inside the backward
-        live.point("blocks_forward_done")
-        t = _first_tensor(out)
-        if t is not None and t.requires_grad:
-            t.register_hook(lambda g: live.point("blocks_backward_start"))
-
-    def before_first(module, args, kwargs):
-        t = _first_tensor((args, kwargs))
-        if live.phase == "forward" and t is not None and t.requires_grad:
-            t.register_hook(lambda g: live.point("blocks_backward_end"))
-    return [blocks[-1].register_forward_hook(after_last),
-            blocks[0].register_forward_pre_hook(before_first, with_kwargs=True)]
 
 
 def _loads(optimizer, model, world_size):
@@ -346,10 +365,12 @@ def _premade_mesh(plan, ctx):
         else None
 
 
-def _one_step(plan, step, live, rank, batches, buckets, real_transformers, trace):
-    """One simulated step. ``rank``: (model, wrapped, optimizer, checkpoint policy); ``trace``
-    records its ops (`optrace.OpTrace`)."""
+def _one_step(plan, step, live, rank, batches, buckets, real_transformers, watchers):
+    """One simulated step. ``rank``: (model, wrapped, optimizer, checkpoint policy);
+    ``watchers``: the `optrace.OpTrace` that records its ops, and a `pieces.Recorder` (or
+    None) that keeps its pieces."""
     model, wrapped, optimizer, policy = rank
+    trace, recorder = watchers
     start = len(live.events)
     census = {"parameters": storages(model.parameters(), by="impl"),
               "gradients": storages((p.grad for p in model.parameters()), by="impl"),
@@ -364,6 +385,7 @@ def _one_step(plan, step, live, rank, batches, buckets, real_transformers, trace
                    precision=strategies.autocast_precision(plan), device="cpu",
                    activation_probe=acts, inner=model, loss_fn=plan.loss_fn, phase=trace.phase,
                    read_loss=False)
+    live.accumulations.settle()
     end = len(live.events) - start
     census["ddp_buckets"] = dict(buckets.values())
     seen = [("parameters", key, 0) for key in census["parameters"]]
@@ -373,28 +395,10 @@ def _one_step(plan, step, live, rank, batches, buckets, real_transformers, trace
     seen += [("ddp_buckets", key, end) for key in census["ddp_buckets"]]
     for keys, index in zip(acts.saved_keys, live.forward_ends):
         seen += [("activations", key, index - start) for key in keys]
+    seen = live.accumulations.seen_through(seen, start)
     events, totals = live.events[start:], live.totals[start:]
     peak = memory.summarize(events, totals, base, census, seen)
-    points = [(i - start, name) for i, name in live.points]
-    return peak, _segments(events, totals, points, memory.Ledger(
-        [e[:3] for e in events], base, census, seen))
-
-
-_AFTER = {"blocks_forward_done": "forward_head", "blocks_backward_start": "backward_blocks",
-          "blocks_backward_end": "backward_stem"}
-_FIRST = {"forward": "forward_blocks", "backward": "backward_head", "optimizer": "optimizer"}
-
-
-def _segments(events, totals, points, ledger):
-    """{segment: (highest total, ledger then)}: each phase cut at the blocks' points."""
-    best, segment, phase, p = {}, None, None, 0
-    for i, (event, total) in enumerate(zip(events, totals)):
-        if event[3] != phase:  # a new phase (or a new micro-step's): its first segment
-            phase = event[3]
-            segment = _FIRST.get(phase)
-        while p < len(points) and points[p][0] <= i:
-            segment = _AFTER.get(points[p][1], segment) if phase in _FIRST else segment
-            p += 1
-        if segment is not None and total > best.get(segment, (-1,))[0]:
-            best[segment] = (total, i)
-    return {name: (total, ledger.at(i)) for name, (total, i) in best.items()}
+    if recorder is not None:
+        recorder.end(start, events, [(i - start, name) for i, name in live.points],
+                     memory.Ledger([e[:3] for e in events], base, census, seen), census)
+    return peak

@@ -17,7 +17,7 @@ from .attention import CudaTarget
 from .calibrate import calibrate, remember
 from .gpuplay import play_cuda
 from .optrace import Op
-from .peak import heaviest_rank, simulated
+from .peak import heaviest_rank, streamed
 from .player import LEDGER, play
 
 COLUMNS = ["rank", "step", "micro_step", "kind", "name", "start_s", "end_s", "bytes"]
@@ -99,7 +99,7 @@ def step_time(cfg, device=None, link=None, rank=None, machine=None, bucket_cap_m
         machine = calibrate(device=resolve_devices(cfg.world_size, cfg.backend, cfg.device)[1])
     if machine.kind == "cuda" and target is None:  # this machine's GPUs, calibrated
         target = _local_target(cfg)
-    sim = simulated(cfg, heaviest_rank(cfg, target) if rank is None else rank, target)
+    sim = streamed(cfg, heaviest_rank(cfg, target) if rank is None else rank, target)
     if machine.key and machine.kind == "measured" and replay.learn(machine, sim.stream):
         remember(machine)  # what it measured here for the first time, for next time
     mb = cfg.bucket_cap_mb if bucket_cap_mb is ... else bucket_cap_mb

@@ -28,7 +28,8 @@ import threading
 import torch
 import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
 from ..engine import strategies
 from ..engine.data import first_batch, make_dataset
@@ -41,10 +42,11 @@ from ..spec.empty import stage
 from ..spec.model import compute_loss, describe_spec, fake_model
 from ..spec.setting import CheckpointSetting
 from . import attention
+from .datadep import DataDependence
 
 SCALE_ABOVE = 300_000_000
-"""Parameters above which a model is traced cut to `TRACED_BLOCKS` blocks and a simulated step
-is scaled from 3 and 4 blocks (`scale`)."""
+"""Parameters above which a model is traced cut to `TRACED_BLOCKS` blocks and its simulated
+step composed from pieces of the model cut to a few blocks (`compose`)."""
 TRACED_BLOCKS = 3
 """Blocks a large model is traced with (the first, one middle, the last)."""
 
@@ -65,8 +67,11 @@ class Traced:
         with rng.forked():
             self.model, self.how = fake_model(plan, self.mode, keep, dtype)
         cast = (lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+        # data-dependent ops (a loss's label checks, MoE routing): sized from the batch's
+        # values, the routing assumption or an upper bound, each noted (`datadep`)
+        self.datadep = DataDependence(cfg.routing)
         self.batch = torch.utils._pytree.tree_map(
-            lambda t: self.mode.from_tensor(cast(t)) if isinstance(t, torch.Tensor) else t,
+            lambda t: self.datadep.fake(self.mode, cast(t)) if isinstance(t, torch.Tensor) else t,
             real_batch)
         stacks = find_stacks(self.model, plan.blocks)
         self.blocks = [b for _, container in stacks for b in container]
@@ -100,11 +105,14 @@ class Traced:
         with self.lock:
             with self.stage("installing the checkpoint policy"):
                 probe.policy = install(self.plan, self.model, setting)
-            with self.stage("the forward"), self.mode, as_real_for_transformers(self.batch), \
-                    probe.forward(self.model), \
+            with self.stage("the forward"), self.mode, self.datadep, \
+                    as_real_for_transformers(self.batch), probe.forward(self.model), \
                     autocast_for(strategies.autocast_precision(self.plan), "cpu"), \
                     on_device(self.target):
-                compute_loss(self.model, self.batch, self.plan.loss_fn)
+                # held until the window closes, as a rank holds it for its backward: what
+                # the loss itself saved is an activation too
+                loss = compute_loss(self.model, self.batch, self.plan.loss_fn)
+            del loss
         self.memo[key] = probe.bytes
         return probe.bytes
 
@@ -126,8 +134,9 @@ class Traced:
         with self.lock:
             with self.stage("installing the checkpoint policy"):
                 install(self.plan, self.model, setting)
-            with self.stage("the step"), self.mode, as_real_for_transformers(self.batch), \
-                    FlopCounterMode(display=False) as counter:
+            with self.stage("the step"), self.mode, self.datadep, \
+                    as_real_for_transformers(self.batch), \
+                    FlopCounterMode(display=False, custom_mapping=MORE_FLOPS) as counter:
                 compute_loss(self.model, self.batch, self.plan.loss_fn).backward()
         return counter.get_total_flops(), {k: sum(v.values()) for k, v in
                                            counter.get_flop_counts().items()}
@@ -143,18 +152,16 @@ class Traced:
                  for i, b in enumerate(self.blocks)]
         hooks += [b.register_forward_hook(lambda *a: setattr(probe, "owner", None))
                   for b in self.blocks]
+        counter = BlockFlops(probe)
         try:
-            with FlopCounterMode(display=False) as counter:
+            with counter:
                 self.forward_bytes(self.none, probe)
         finally:
             for h in hooks:
                 h.remove()
-        counts = counter.get_flop_counts()
-        root = type(self.model).__name__
-        names = self.block_names[:len(self.blocks)]
         self.block_keeps = [probe.by_owner.get(i, 0) for i in range(len(self.blocks))]
         self.block_boundary = [inputs.get(i, 0) for i in range(len(self.blocks))]
-        self.block_flops = [sum(counts.get(f"{root}.{n}", {}).values()) for n in names]
+        self.block_flops = [counter.by_owner.get(i, 0) for i in range(len(self.blocks))]
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # gradients and optimizer state exist for trainable parameters only (LoRA: adapters)
         self.trainable_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()
@@ -206,6 +213,39 @@ class Traced:
         out = self.plain_flops
         for a, b in setting.regions:  # the forward of all its blocks but the last, again
             out += sum(self.block_flops[a:b - 1]) + self.alone[b - 1]
+        return out
+
+
+def _grouped_mm_flops(a, b, *args, out_shape=None, **kwargs):
+    """FLOPs of ``torch._grouped_mm`` (transformers' MoE experts), which torch's counter does not
+    know: each row of the jagged operand meets one group's matrix."""
+    if len(a) == 2 and len(b) == 3:  # (S, K) x (E, K, N): the forward, and the input's gradient
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 2:  # (K, S) x (S, N) cut by S: the weights' gradient
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * a[0] * a[1] * a[2] * b[-1]  # batched
+
+
+MORE_FLOPS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
+class BlockFlops(TorchDispatchMode):
+    """Forward FLOPs by the block that ran them (``owner.owner``, the per-block trace's probe):
+    torch's formulas (``flop_counter.flop_registry``), without its module tracker, which holds
+    what a forward hook replaced (a router's top-k under a routing hook) alive."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner, self.by_owner = owner, {}
+        self.formulas = {**flop_registry, **{k: shape_wrapper(v) for k, v in MORE_FLOPS.items()}}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func.overloadpacket)
+        if formula is not None and self.owner.owner is not None:
+            n = formula(*args, **kwargs, out_val=out)
+            self.by_owner[self.owner.owner] = self.by_owner.get(self.owner.owner, 0) + n
         return out
 
 
@@ -266,7 +306,7 @@ _TRACES_LOCK = threading.Lock()
 def _trace_key(cfg):
     d = cfg.to_dict()
     keep = ("model", "data", "loss", "blocks", "n_blocks", "width", "mlp_ratio", "seq_len", "vocab",
-            "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant")
+            "n_heads", "dropout", "micro_batch", "seed", "precision", "use_reentrant", "routing")
     return tuple((k, d[k] if isinstance(d[k], (str, int, float, type(None))) else id(d[k]))
                  for k in keep) + (run_target(cfg), str(strategies.mixed_dtype(cfg.rank_plan())))
 

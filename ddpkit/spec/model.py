@@ -294,18 +294,21 @@ def build_fake(plan, mode):
 
 def fake_model(plan, mode, keep=None, dtype=None):
     """``(model, how)``: `build_fake`'s model in training mode, cut to its first ``keep`` blocks
-    when asked (the estimate at real sizes traces a few and scales; one stack only), its floating
+    of each stack when asked (an int for one stack, a tuple for several: the estimate at real
+    sizes traces and simulates a few blocks and carries their figures to all), its floating
     parameters and buffers in ``dtype`` when given (FSDP's mixed precision computes with them
     so: made again empty in that dtype, a tied weight once; ``Module.to`` cannot swap a fake
     tensor that FakeTensorMode's memo holds a weak reference to)."""
     with mode:
         model, _, how = build_fake(plan, mode)
-        if keep is not None:
+        if keep is not None:  # an int: the one stack's; a tuple: each stack's
             stacks = find_stacks(model, plan.blocks)
-            if len(stacks) != 1:
-                raise ValueError(f"a model cut to its first {keep} blocks has one stack; this "
-                                 f"one has {len(stacks)}")
-            del stacks[0][1][keep:]
+            keeps = (keep,) if isinstance(keep, int) else tuple(keep)
+            if len(keeps) != len(stacks):
+                raise ValueError(f"a model cut to {keeps} blocks has {len(keeps)} stack(s); "
+                                 f"this one has {len(stacks)}")
+            for (_, container), k in zip(stacks, keeps):
+                del container[k:]
         if dtype is not None:
             _recast(model, dtype)
     return model.train(), how

@@ -1,0 +1,102 @@
+"""The vocabulary of a composed step: where a block stands in its stack (`role`), what its
+checkpoint setting makes of it (`states`), and the cut simulations' layouts (`Layout`, the
+`candidates` to choose from). `compose.py` lays pieces out by these.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from ..spec.setting import CheckpointSetting
+
+CUT = 4
+"""Blocks per stack the library's simulations keep: the first, the second, a middle, the last
+(and two more, or four, where a longer region must lie among the middle ones)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(CheckpointSetting):
+    """A checkpoint setting of explicit segments: ``layout`` [(start, stop, checkpointed)]
+    (a cut simulation's, which may hold regions no config value makes)."""
+    layout: tuple = ()
+
+    @property
+    def segments(self):
+        return list(self.layout) if self.layout else super().segments
+
+
+def layout_text(segments):
+    return ",".join(("C" if on else "P") * (b - a) if on and b - a == 1 else
+                    (f"[{'C' * (b - a)}]" if on else "P" * (b - a)) for a, b, on in segments)
+
+
+def role(i, n):
+    """A block's role in its stack of ``n``: 'first', 'second', 'last' or 'mid'."""
+    return "first" if i == 0 else "last" if i == n - 1 else "second" if i == 1 else "mid"
+
+
+def states(setting, fine=False):
+    """Each block's checkpoint state: 'P' (plain); 'C1' (a region of its own); in a longer
+    region 'Cf' (the first), 'Cm' (a middle one), 'Cl' (the last), and '>' after the one the
+    last block's backward prefetches (the second to last: 'Cf>' in a region of two, or 'Cm>').
+    ``fine`` (FSDP, whose recompute gathers blocks its backward would prefetch): a region's
+    blocks also say its length (2, 3, 4 or more) and the first and last what is next to the
+    region ('-': nothing, else the neighbour's state)."""
+    out, segs = [], setting.segments
+    for n, (a, b, on) in enumerate(segs):
+        for j in range(a, b):
+            if not on or b - a == 1:
+                out.append("P" if not on else "C1")
+                continue
+            x = "Cf" if j == a else "Cl" if j == b - 1 else "Cm"
+            x += ">" if j == b - 2 else ""
+            if fine:
+                x += f"{min(b - a, 4)}"
+                if j == a:
+                    x += "|" + _outside_state(segs, n - 1, last=True)
+                if j == b - 1:
+                    x += "|" + _outside_state(segs, n + 1, last=False)
+            out.append(x)
+    return out
+
+
+def _outside_state(segs, n, last):
+    """The state of the block next to a region: of segment ``n``'s last (or first) block."""
+    if not 0 <= n < len(segs):
+        return "-"
+    a, b, on = segs[n]
+    return "P" if not on else "C1" if b - a == 1 else "Cl" if last else "Cf"
+
+
+def micro_class(m, count):
+    return 0 if m == 0 else "last" if m == count - 1 else "mid"
+
+
+def segment_like(k, stacks=1):
+    """Cut layouts as int settings make them, with room around: ``p`` plain blocks, regions of
+    ``L`` blocks back to back, plain to the end."""
+    out = []
+    for p in range(3):
+        for size in range(2, 6):
+            for count in range(1, (k - p) // size + 1):
+                one = [(i, i + 1, False) for i in range(p)]
+                one += [(p + r * size, p + (r + 1) * size, True) for r in range(count)]
+                one += [(i, i + 1, False) for i in range(p + count * size, k)]
+                out.append(tuple((a + s * k, b + s * k, on) for s in range(stacks)
+                                 for a, b, on in one))
+    return out
+
+
+def candidates(k, stacks=1):
+    """Cut layouts to choose from: every way to lay checkpointed regions and plain blocks on
+    ``k`` blocks, the same in each of ``stacks`` stacks."""
+    out = []
+    for splits in itertools.product((False, True), repeat=k - 1):
+        bounds = [0] + [i + 1 for i, s in enumerate(splits) if s] + [k]
+        parts = list(zip(bounds, bounds[1:]))
+        for ons in itertools.product((False, True), repeat=len(parts)):
+            if any(not on and b - a > 1 for (a, b), on in zip(parts, ons)):
+                continue  # a plain stretch is plain blocks one by one
+            out.append(tuple((a + s * k, b + s * k, on) for s in range(stacks)
+                             for (a, b), on in zip(parts, ons)))
+    return out
