@@ -9,6 +9,8 @@ import dataclasses
 import importlib
 import importlib.util
 import pkgutil
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -315,3 +317,11 @@ def test_imports_inside_functions_are_few_and_each_says_why():
                              "at the top of its module:\n" + "\n".join(unexplained))
     assert len(inside) <= 15, f"{len(inside)} imports inside functions: " + "\n".join(
         f"{w}: {i}" for w, i in inside)
+
+
+def test_import_ddpkit_leaves_fsdps_tensor_package_unimported():
+    # every kernel, the rank server and most tests import ddpkit: torch.distributed.tensor
+    # (DTensor, about a second of it on two cores) is FSDP's, imported when FSDP is used
+    code = "import sys, ddpkit; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", (out.stdout, out.stderr[-2000:])

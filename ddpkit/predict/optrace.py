@@ -18,14 +18,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from .replay import recipe
+
+
+
+def dtensor_class():
+    """torch's ``DTensor`` class, or ``None`` while ``torch.distributed.tensor`` is not imported:
+    no DTensor can exist before it is (FSDP2 imports it). Not imported here: it costs about a
+    second of every ``import ddpkit`` (every kernel, the rank server, most tests)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def is_dtensor_op(types):
+    """Does a dispatched op take a DTensor (its sharding propagation: the local ops it runs
+    are seen instead)?"""
+    cls = dtensor_class()
+    return cls is not None and any(issubclass(t, cls) for t in types)
+
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu",
@@ -166,7 +182,7 @@ class OpTrace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):
+        if is_dtensor_op(types):
             return NotImplemented
         out = func(*args, **kwargs)
         if self.live.ignore:

@@ -37,7 +37,6 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -52,7 +51,7 @@ from ..spec.blocks import resolve_blocks
 from ..spec.model import describe_spec, fake_model
 from ..spec.setting import CheckpointSetting
 from . import cudastreams
-from .optrace import OpTrace
+from .optrace import OpTrace, dtensor_class, is_dtensor_op
 from .datadep import DataDependence
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
 from .fakeworld import (Accumulations, fake_world, gloo_buffers, late_note, mark_fsdp_collectives,
@@ -116,15 +115,16 @@ class LiveStorages(TorchDispatchMode):
         self.add(storage)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
+        if is_dtensor_op(types):
             return NotImplemented  # FSDP's DTensors: see the local ops they run instead
         self.accumulations.settle()
         out = func(*args, **(kwargs or {}))
         if self.ignore:
             return out
         made = len(self.events)
+        dtensor = dtensor_class() or ()
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            if isinstance(t, torch.Tensor) and not isinstance(t, dtensor):
                 self.add(t.untyped_storage())
         self.accumulations.added(func, args, kwargs, out,
                                  len(self.events) - 1 if len(self.events) > made else None)
