@@ -6,6 +6,7 @@ import time
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 import ddpkit
@@ -119,6 +120,15 @@ def test_demo_writes_a_self_contained_report(tmp_path, capsys):
     assert not list(tmp_path.glob(".tmp-*"))  # atomic write left no temp file
 
 
+def listening(port, proc, timeout_s=90):
+    """Wait until something listens on ``port`` (or ``proc`` has ended: its output says why)."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline and not any(
+            c.laddr.port == port and c.status == psutil.CONN_LISTEN
+            for c in psutil.net_connections(kind="tcp")):
+        time.sleep(0.05)
+
+
 def test_two_torchrun_nodes_on_loopback_give_the_same_losses(tmp_path):
     port = free_port()
     procs = []
@@ -131,7 +141,8 @@ def test_two_torchrun_nodes_on_loopback_give_the_same_losses(tmp_path):
                "--json", str(out)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=in_tmp(tmp_path)))
-        time.sleep(1.0)  # node 0 first: it hosts the rendezvous store on the endpoint
+        if node == 0:  # node 0 first: it hosts the rendezvous store on the endpoint
+            listening(port, procs[0])
     try:
         results = [p.communicate(timeout=120) for p in procs]
     finally:

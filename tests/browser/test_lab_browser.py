@@ -107,13 +107,18 @@ def jupyter(tmp_path_factory):
     try:
         yield base, token, tmp_path
     finally:
+        # the server, its kernels and their ranks: the ranks notice their kernel is gone
+        # within a second or so (an orphan is no child of ours, so each is waited for by pid)
+        tree = [psutil.Process(proc.pid)]
+        with contextlib.suppress(psutil.Error):
+            tree += tree[0].children(recursive=True)
         os.killpg(proc.pid, 15)  # the server and the kernels it started (and their ranks)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
-        time.sleep(1.5)  # ranks notice their kernel is gone within a second
+        psutil.wait_procs(tree, timeout=30)
 
 
 # the labs of the notebook on show (JupyterLab keeps other notebooks' panels in the page)
@@ -188,33 +193,38 @@ SWIMLANES = """() => {
 PLOTS = 6
 
 
-# every plot of the notebook on show drawn to its box's width: plotly redraws after its box
-# changes, at its own pace (18 plots for the three block labs, more than 1.5 s on busy cores)
-# (or of lab i only)
+# every plot of the notebook on show (or of lab i only) drawn to its box's width: plotly
+# redraws after its box changes, at its own pace (18 plots for the three block labs, more than
+# 1.5 s on busy cores)
 REDRAWN = """(i) => Array.from((i === null ? window.jupyterapp.shell.currentWidget.node :
     """ + LABS + """[i]).querySelectorAll('.js-plotly-plot')).every(gd => {
     const svg = gd.querySelector('.main-svg');  // plotly's drawn width, as FIT reads it
     const w = svg && parseFloat(svg.getAttribute('width')), box = gd.getBoundingClientRect().width;
     return svg && w <= box + 0.5 && w >= box - 1.5; })"""
+# the box width of lab i's first plot
+BOX = f"(i) => {LABS}[i].querySelector('.js-plotly-plot').getBoundingClientRect().width"
 
 
 def resize(page, size):
     """The window at ``size``, once every plot has redrawn to its new width (or 30 s have passed:
     then the checks that follow say which plot is wrong)."""
     w, h = size
+    before = page.evaluate(BOX, 0)
     page.set_viewport_size({"width": w, "height": h})
-    redrawn(page)
+    redrawn(page, was=before)
 
 
-def redrawn(page, i=None):
+def redrawn(page, i=None, was=None):
     """Wait until every plot (of lab ``i``) has redrawn to its box, or 30 s have passed: then
-    the checks that follow say which plot is wrong."""
+    the checks that follow say which plot is wrong. ``was``: the width lab ``i``'s (or the first
+    lab's) first plot had before a change of its box, which JupyterLab lays out at its own pace:
+    until the box has moved, its plots still fit the old one."""
     from playwright.sync_api import TimeoutError as PageTimeout
 
-    # a box's change is seen within half a second and plotly redraws 0.1 s after that; the
-    # poll alone could pass on the old widths, before the boxes themselves have moved
-    page.wait_for_timeout(1500)
     with contextlib.suppress(PageTimeout):
+        if was is not None:
+            page.wait_for_function(f"([i, was]) => Math.abs(({BOX})(i) - was) > 0.5",
+                                   arg=[i or 0, was], timeout=30_000)
         page.wait_for_function(REDRAWN, arg=i, timeout=30_000)
 
 
@@ -226,12 +236,14 @@ def fits(page, size, i=0):
 
 
 def check_fits(page, tmp, size):
+    from playwright.sync_api import TimeoutError as PageTimeout
+
     w, h = size
     resize(page, size)
     # scrolled by the page itself: playwright's scroll waits for the element to stop moving,
     # and a plot that gains points every 0.1 s never does
     page.evaluate(f"() => {LABS}[0].querySelector('.js-plotly-plot').scrollIntoView()")
-    page.wait_for_timeout(300)
+    redrawn(page, 0)  # a plot in a cell the page skipped is fitted when shown
     fits(page, size)
     boxes = page.evaluate(MARKS)
     for i, a in enumerate(boxes):
@@ -240,7 +252,9 @@ def check_fits(page, tmp, size):
             assert not overlap, (size, boxes)
     keep(page, tmp / f"lab-{w}x{h}.png")
     page.evaluate("() => document.querySelector('.ddpkit-lab .ddpkit-swimlanes').scrollIntoView()")
-    page.wait_for_timeout(300)
+    with contextlib.suppress(PageTimeout):  # its labels laid out once shown; else said below
+        page.wait_for_function(f"() => {{ const s = ({SWIMLANES})(); return !s.missing &&"
+                               " s.bad.length == 0 && s.bars > 20; }", timeout=30_000)
     lanes = page.evaluate(SWIMLANES)
     assert lanes.get("bad") == [] and lanes["bars"] > 20, (size, lanes)
     assert lanes["lanes"] == ["rank 1 all-reduce", "rank 1 compute", "rank 0 all-reduce",
@@ -363,6 +377,19 @@ FIGURES = ("lab.plots.loss, lab.plots.memory, lab.peaks.figure, lab.plots.timing
 DEAD = "[anywidget] Failed to initialize model"
 
 
+def kernel_says(page, code):
+    """What ``code`` prints, run in the notebook's kernel (beside the cells, not as one)."""
+    return page.evaluate("""async (code) => {
+        const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+        const future = kernel.requestExecute({code: code, store_history: false});
+        let out = '';
+        future.onIOPub = (msg) => {
+          if (msg.header.msg_type === 'stream') out += msg.content.text;
+          if (msg.header.msg_type === 'error') out += msg.content.evalue; };
+        await future.done;
+        return out; }""", code)
+
+
 def run_cells(page, first, command):
     """Run the notebook's cells from ``first`` (``notebook:run-cell``: that one; ``-all-below``:
     to the end). Not awaited: the command resolves only when every cell has ended."""
@@ -466,13 +493,10 @@ def test_lab_in_a_real_browser(jupyter):
                                "l.querySelectorAll('button')))"
                                ".some(b => b.textContent.includes('Stop') && b.disabled)",
                                timeout=60_000)
-        # the page draws what had arrived at its own pace (at most a quarter of its time),
-        # so the last points may land a moment after the run ended; then nothing moves
-        shown = []
-        while len(shown) < 2 or shown[-1] != shown[-2]:
-            assert len(shown) < 20, ("the plots kept moving after Stop", shown)
-            page.wait_for_timeout(700)
-            shown.append(len(traces_named(page, 0, "rank 0")[-1]["y"]))
+        # the page draws what had arrived at its own pace (at most a quarter of its time), so
+        # the last points may land a moment after the run ended: the kernel says how many
+        ran = int(kernel_says(page, "print(sum(1 for m in lab.metrics if m['rank'] == 0))"))
+        wait_for_points(page, 0, "rank 0", lambda y: len(y) == ran, f"the stopped run's {ran}")
         marks = [check_fits(page, tmp, size) for size in SIZES]
         assert min(marks) >= 2, marks  # the change labels were drawn (and did not overlap)
 
@@ -516,22 +540,24 @@ def test_the_block_control_at_12_32_and_80_blocks(jupyter):
         wait_for_output(page, "labs ready", timeout_s=240)
         kernel = json.loads((tmp / "nb" / "labs.json").read_text())
         assert page.evaluate(f"() => {LABS}.length") == len(BLOCKS)  # each lab shown once
-        box = f"() => {LABS}[0].querySelector('.js-plotly-plot').getBoundingClientRect().width"
-        widths = []
-        for when in ("drawn at 1920x1080", "side panel toggled"):
-            if widths:
+        widths = []  # each lab's first plot's, as first drawn
+        for toggled, when in enumerate(("drawn at 1920x1080", "side panel toggled")):
+            if toggled:
                 page.evaluate("() => window.jupyterapp.commands.execute("
                               "'application:toggle-left-area')")
             for i, n in enumerate(BLOCKS):  # each as it is scrolled to (JupyterLab lays out
                 page.evaluate(f"() => {LABS}[{i}].scrollIntoView()")  # cells out of view
-                redrawn(page, i)  # only when they come into view)
+                # only when they come into view); the side panel toggled moves each box
+                redrawn(page, i, was=widths[i] if toggled else None)
                 fits(page, when, i)
                 # as tall as the kernel made them: a redraw takes its div's height too, and a
                 # stretched grid item made the exposed-time plot as tall as the swimlanes
                 assert page.evaluate(HEIGHTS, i) == kernel[str(n)]["heights"], (when, n)
-            widths.append(page.evaluate(box))
-        assert abs(widths[1] - widths[0]) > 5, ("the side panel left the boxes as they were",
-                                                widths)
+                if not toggled:
+                    widths.append(page.evaluate(BOX, i))
+        # (redrawn waited 30 s at most for the side panel to move the boxes)
+        assert abs(page.evaluate(BOX, 0) - widths[0]) > 5, (
+            "the side panel left the boxes as they were", widths, page.evaluate(BOX, 0))
         # a plot drawn at another width while its box stays, which no observer reports: the
         # page's own check fits it again (plotly's relayout, then its fixed width taken away)
         page.evaluate(f"() => {{ const gd = {LABS}[0].querySelector('.js-plotly-plot');"
@@ -562,7 +588,7 @@ def test_the_block_control_at_12_32_and_80_blocks(jupyter):
                     keep(control, tmp / f"blocks-{n}.png")
                 if n == max(BLOCKS):  # the biggest lab, from its top
                     page.evaluate(f"() => {LABS}[{i}].scrollIntoView({{block: 'start'}})")
-                    page.wait_for_timeout(300)
+                    redrawn(page, i)
                     keep(page, tmp / f"lab-{n}-blocks-{w}x{h}.png")
         # the last block of the biggest lab, clicked: the kernel hears it and says so above
         n = max(BLOCKS)

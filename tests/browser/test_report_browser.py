@@ -8,6 +8,7 @@ package (never `playwright install`: it downloads, and fails here).
 The predictions are those of a machine of round rates cached for the test (no calibration runs);
 the report is the demo's, of its 8-block MLP rather than its GPT (the same page).
 """
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -94,6 +95,8 @@ def report(tmp_path, monkeypatch):
 
 def test_the_report_reads_cleanly_at_1280x800(report):
     playwright = pytest.importorskip("playwright.sync_api")
+    from playwright.sync_api import TimeoutError as PageTimeout
+
     path, table = report
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
@@ -103,7 +106,12 @@ def test_the_report_reads_cleanly_at_1280x800(report):
             # each figure drawn (plotly draws on load; its responsive sizing follows)
             page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .main-svg')"
                                    ".length >= 4", timeout=60_000)
-            page.wait_for_timeout(500)
+            # and the layout as asserted below once plotly's responsive sizing has settled it
+            # (past 30 s, the asserts say what is wrong)
+            with contextlib.suppress(PageTimeout):
+                page.wait_for_function(f"() => {{ const g = ({LAYOUT})(); return g.plots == 4 &&"
+                                       f" g.bad.length == 0 && g.widest[1] < {BAND_PX}; }}",
+                                       timeout=30_000)
             got = page.evaluate(LAYOUT)
             shot = path.with_name("report-1280x800.png")
             page.screenshot(path=str(shot), full_page=True)
