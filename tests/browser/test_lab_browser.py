@@ -224,8 +224,9 @@ def redrawn(page, i=None, was=None):
     with contextlib.suppress(PageTimeout):
         if was is not None:
             page.wait_for_function(f"([i, was]) => Math.abs(({BOX})(i) - was) > 0.5",
-                                   arg=[i or 0, was], timeout=30_000)
-        page.wait_for_function(REDRAWN, arg=i, timeout=30_000)
+                                   arg=[i or 0, was], timeout=30_000, polling=100)
+        # every 0.1 s, not every frame: each check lays the page out, on plotly's one thread
+        page.wait_for_function(REDRAWN, arg=i, timeout=30_000, polling=100)
 
 
 def fits(page, size, i=0):
@@ -254,7 +255,8 @@ def check_fits(page, tmp, size):
     page.evaluate("() => document.querySelector('.ddpkit-lab .ddpkit-swimlanes').scrollIntoView()")
     with contextlib.suppress(PageTimeout):  # its labels laid out once shown; else said below
         page.wait_for_function(f"() => {{ const s = ({SWIMLANES})(); return !s.missing &&"
-                               " s.bad.length == 0 && s.bars > 20; }", timeout=30_000)
+                               " s.bad.length == 0 && s.bars > 20; }", timeout=30_000,
+                               polling=100)
     lanes = page.evaluate(SWIMLANES)
     assert lanes.get("bad") == [] and lanes["bars"] > 20, (size, lanes)
     assert lanes["lanes"] == ["rank 1 all-reduce", "rank 1 compute", "rank 0 all-reduce",
