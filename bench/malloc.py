@@ -135,13 +135,12 @@ def main(argv=None):
                     help="comma-separated DDPKIT_MMAP_THRESHOLD values to sweep instead")
     args = ap.parse_args(argv)
     chosen = {k: v for k, v in rows(args.steps).items() if k in args.rows.split(",")}
+    load = os.getloadavg()
     if args.thresholds:
-        load = os.getloadavg()
         text = (f"{args.rounds} rounds, {machine()}, load average at the start {load[0]:.2f}\n\n"
                 + sweep(chosen, args.thresholds.split(","), args.rounds) + "\n")
         print(text)
         return text
-    load = os.getloadavg()
     out = []
     for key, (name, kw) in chosen.items():
         cfg = ddpkit.TrainConfig(**kw)

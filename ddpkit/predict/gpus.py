@@ -18,7 +18,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..devices import mmap_threshold, resolve_devices
+from ..devices import MMAP_TIGHT, mmap_threshold, resolve_devices
 from .units import GIB, KIB, MIB, TIB
 
 CUDA_CONTEXT = 512 * MIB
@@ -101,7 +101,6 @@ def budget_bytes(memory_budget):
         return parse_bytes(memory_budget)  # its message names memory_budget
 
 
-MMAP_FIXED = 131072
 CPU_MEASURED = {"dynamic": 3.26, "fixed": 1.074}
 """A CPU rank's ``process_peak_bytes / peak_bytes`` at real sizes, the highest measured: the rank's
 resident high-water mark over a step (its own memory, less what it held before the model was
@@ -175,7 +174,7 @@ def allocator_allowance(cfg, gpu=None, allowance=None):
         if fixed else
         f"glibc's heap, its mmap threshold dynamic (glibc's default, which CPU ranks keep): a "
         f"rank's resident peak measured at up to {CPU_MEASURED['dynamic']:.2f}x its tensors' "
-        f"({where}; DDPKIT_MMAP_THRESHOLD=131072 fixes it: {CPU_MEASURED['fixed']:.2f}x, at "
+        f"({where}; DDPKIT_MMAP_THRESHOLD={MMAP_TIGHT} fixes it: {CPU_MEASURED['fixed']:.2f}x, at "
         f"1.26-1.40x the CPU time)"))
 
 
@@ -190,4 +189,4 @@ def _fixed_threshold():
     """The threshold CPU ranks started now fix glibc's at, when it is 128 KiB or less (the
     measured case; `ddpkit.devices.mmap_threshold`), else None."""
     fixed = mmap_threshold()
-    return fixed if fixed is not None and fixed <= MMAP_FIXED else None
+    return fixed if fixed is not None and fixed <= MMAP_TIGHT else None
