@@ -130,6 +130,26 @@ def test_fits_names_the_gpu_and_its_overhead():
     assert not ddpkit.estimate(cfg.replace(micro_batch=big + 1)).fits(64 * 2**20)
 
 
+def test_a_cards_fit_is_its_cuda_rank_not_this_machines_cpu_rank():
+    """`fits(cfg, "H100")` on a config that runs on CPU here asks about the card: its rank is
+    simulated as the CUDA rank it would be there (the card's cuBLAS workspaces held, CUDA's
+    512-byte blocks), the same answer as ``estimate(cfg).peak(device=...)``."""
+    from ddpkit.predict.gpus import card_target
+    from ddpkit.predict.simulate import cublas_workspaces
+
+    cfg = ddpkit.TrainConfig(model="mlp", n_blocks=2, width=32, micro_batch=2, world_size=2,
+                             backend="gloo", device="cpu")
+    est = ddpkit.estimate(cfg)
+    here, h100, t4 = est.peak(), est.fits("H100").peak, est.fits("T4").peak
+    assert h100.ledger == est.peak(device="H100").ledger and h100.bytes == est.peak(device="h100").bytes
+    assert here.ledger["other"] < 2**20   # a CPU rank holds no cuBLAS workspace
+    assert h100.ledger["other"] - t4.ledger["other"] == \
+        cublas_workspaces(card_target("H100")) - cublas_workspaces(card_target("T4")) > 0
+    assert h100.ledger["gradients"] % 512 == 0 != here.ledger["gradients"] % 512
+    with pytest.raises(ValueError, match=r"peak\(device=1024\): pass a card's name such as 'H100'"):
+        est.peak(device=1024)
+
+
 @pytest.mark.parametrize("value, message", [
     ("12 parsecs", r"memory_budget='12 parsecs': pass bytes \(an int > 0\) or a string like '12GiB'"),
     (-5, r"memory_budget=-5: pass bytes"),

@@ -43,6 +43,7 @@ from ..spec.setting import CheckpointSetting
 from ..engine.strategies import mixed_dtype
 from . import attention
 from .fits import fits, largest_micro_batch
+from .gpus import card_target, is_card
 from .peak import predicted_peak
 from .steptime import step_time
 from .trace import (as_real_for_transformers, as_setting, on_device,  # noqa: F401 (the API)
@@ -84,14 +85,18 @@ class Estimate:
     """What sized each data-dependent op of the traced forward and backward (the batch's values,
     the routing assumed, an upper bound: `ddpkit.predict.datadep`), one line each."""
 
-    def peak(self, step=None, rank=None):
+    def peak(self, step=None, rank=None, device=None):
         """The step's predicted peak per rank, a `ddpkit.engine.memory.Peak` (``bytes``,
         ``phase``, ``ledger``: bytes by kind at that moment), from the rank's own step simulated
         on fake tensors (`ddpkit.predict.peak`). ``step``: 0 (the optimizer state is made), any
         step number from 1 on or 'steady' (all the steady state: DDP's rebuild of its buckets at
         step 1 frees as much as it allocates), None: the higher. ``rank``: None is the heaviest
-        rank."""
-        return predicted_peak(self.config, step, rank)
+        rank. ``device``: a card's name ('H100'): the rank simulated as the CUDA rank it would be
+        on that card (as `fits` does), whatever device the config runs on here."""
+        if device is not None and not is_card(device):
+            raise ValueError(f"peak(device={device!r}): pass a card's name such as 'H100' (its "
+                             f"CUDA rank is simulated), or None for the config's own device")
+        return predicted_peak(self.config, step, rank, card_target(device) if device else None)
 
     def step_time(self, device=None, link=None, rank=None):
         """The predicted time of one optimizer step, a `steptime.StepTime` (``seconds``,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gpus import Allowance, allocator_allowance, gpu_name, is_card, usable_bytes
+from .gpus import Allowance, allocator_allowance, card_target, gpu_name, is_card, usable_bytes
 from .peak import predicted_peak
 from .units import fmt_bytes
 
@@ -57,10 +57,13 @@ def fits(cfg, gpu, allowance=None):
     """`Fit` of ``cfg`` as it is (its own checkpoint setting) on a GPU name or a byte count:
     the step's simulated peak per rank (the higher of the first step and the steady state,
     on the heaviest rank), with the allocator's allowance (`gpus.allocator_allowance`;
-    ``allowance``: a fraction of your own, 0 for none), against what the card leaves a step."""
+    ``allowance``: a fraction of your own, 0 for none), against what the card leaves a step.
+    On a named card the rank is simulated as the CUDA rank it would be there
+    (`gpus.card_target`), whatever device ``cfg`` runs on here; a budget in bytes is memory of
+    ``cfg``'s own device."""
     usable, allowed = usable_bytes(gpu), allocator_allowance(cfg, gpu, allowance)
     where = gpu_name(gpu) if is_card(gpu) else fmt_bytes(usable)
-    return Fit(predicted_peak(cfg), usable, where, allowed)
+    return Fit(predicted_peak(cfg, target=card_target(gpu)), usable, where, allowed)
 
 
 def largest_micro_batch(cfg, gpu, limit=4096, allowance=None):
@@ -69,11 +72,11 @@ def largest_micro_batch(cfg, gpu, limit=4096, allowance=None):
     step's not at all): two simulated steps give a first guess, and a search by simulated
     steps around it gives the answer (the answer fits; one more sample does not)."""
     usable = allocator_allowance(cfg, gpu, allowance).room(usable_bytes(gpu))
-    peaks = {}
+    peaks, target = {}, card_target(gpu)
 
     def peak(mb):
         if mb not in peaks:
-            peaks[mb] = predicted_peak(cfg.replace(micro_batch=mb))
+            peaks[mb] = predicted_peak(cfg.replace(micro_batch=mb), target=target)
         return peaks[mb]
 
     def aim(lo, hi):

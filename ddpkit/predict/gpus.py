@@ -36,6 +36,14 @@ GPUS = {
     "H200-141GB": 141 * GIB,
 }
 """The cards `fits` knows, by memory. Other spellings are accepted (`gpu_name`)."""
+CAPABILITY = {"T4": (7, 5), "V100-16GB": (7, 0), "V100-32GB": (7, 0), "A10G": (8, 6),
+              "L4": (8, 9), "L40S": (8, 9), "A100-40GB": (8, 0), "A100-80GB": (8, 0),
+              "H100-80GB": (9, 0), "H200-141GB": (9, 0)}
+"""Each card's compute capability (NVIDIA's CUDA GPUs table): what torch's kernel choices read."""
+NAMED_CUDNN, NAMED_CUDA = 91000, "12.8"
+"""The software a named card's ranks are assumed to run (*assumption*: torch's CUDA 12.8
+wheels, whose cuDNN is 9.1-9.15; with a cuDNN above 9.15 sm90's SDPA would take cuDNN's kernel
+first)."""
 
 
 def _norm(text):
@@ -140,6 +148,19 @@ class Allowance:
 
     def __str__(self):
         return f"+{100 * self.fraction:.0f}% for {self.why}" if self.fraction else self.why
+
+
+def card_target(gpu):
+    """The `attention.CudaTarget` a named card's ranks run on (its capability, `NAMED_CUDNN`,
+    `NAMED_CUDA`), or None for a budget in bytes. `fits`, `largest_micro_batch` and `plan`
+    simulate a card's rank as the CUDA rank it is (CUDA's caching allocator's rounding, cuBLAS's
+    workspaces, the card's attention kernel, no gloo buffers), whatever device the config runs
+    on here."""
+    if not is_card(gpu):
+        return None
+    from .attention import CudaTarget
+
+    return CudaTarget(CAPABILITY[gpu_name(gpu)], cudnn=NAMED_CUDNN, cuda=NAMED_CUDA)
 
 
 def is_card(gpu):

@@ -23,6 +23,7 @@ import dataclasses
 import re
 
 from .attention import CudaTarget
+from .gpus import NAMED_CUDA, NAMED_CUDNN
 from .machine import Machine
 
 TB, GB = 1e12, 1e9
@@ -189,9 +190,9 @@ def device_for(gpu):
 
 def target(device):
     """The `attention.CudaTarget` a named device's ranks run on: its compute capability, with
-    torch's default kernels switched on and no cuDNN newer than 9.15 (*assumption*: torch's
-    CUDA wheels; with a newer cuDNN, sm90's SDPA would take cuDNN's kernel first)."""
-    return CudaTarget(tuple(device_of(device).capability), cudnn=91000, cuda="12.8")
+    torch's default kernels switched on and the software `gpus.NAMED_CUDNN`/`NAMED_CUDA` (the
+    same target `fits` simulates a card's rank on)."""
+    return CudaTarget(tuple(device_of(device).capability), cudnn=NAMED_CUDNN, cuda=NAMED_CUDA)
 
 
 def link_gbps(link):

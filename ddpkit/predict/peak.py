@@ -104,12 +104,14 @@ def library(cfg, rank, target=None):
         return hit
 
 
-def predicted_peak(cfg, step=None, rank=None):
+def predicted_peak(cfg, step=None, rank=None, target=None):
     """The predicted `Peak` of ``cfg``'s step ``step`` on rank ``rank`` (None: the heaviest: the
     rank whose optimizer updates the most parameters, rank 0 on a tie). ``step``: 0 (the first
     step, which makes the optimizer state); any step from 1 on, or 'steady' (every step from 1
     on is the steady state: the simulation of step 1 answers them all, so a record's own step
-    number can be passed as it is); None: the higher of step 0 and the steady state."""
+    number can be passed as it is); None: the higher of step 0 and the steady state.
+    ``target``: an `attention.CudaTarget`: the rank simulated as a CUDA rank on that GPU (a
+    named card's: `gpus.card_target`), whatever device the config runs on here."""
     number = isinstance(step, int) and not isinstance(step, bool)
     steady = (isinstance(step, str) and step == "steady") or (number and step >= 1)
     if not (step is None or steady or (number and step == 0)):
@@ -119,7 +121,7 @@ def predicted_peak(cfg, step=None, rank=None):
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < cfg.world_size):
         raise ValueError(f"peak(rank={rank!r}): pass a rank in 0..{cfg.world_size - 1} or None "
                          f"(the heaviest)")
-    sim = simulated(cfg, heaviest_rank(cfg) if rank is None else rank)
+    sim = simulated(cfg, heaviest_rank(cfg, target) if rank is None else rank, target)
     if step is None:
         return max(sim.peaks, key=lambda p: p.bytes)
     return sim.peaks[1 if steady else 0]
