@@ -189,7 +189,7 @@ def test_the_largest_micro_batch_is_the_edge_of_any_growing_peak(monkeypatch):
 
         seen = set()
 
-        def fake_peak(cfg, phases=phases, seen=seen):
+        def fake_peak(cfg, phases=phases, seen=seen, target=None):
             seen.add(cfg.micro_batch)
             by = phases(cfg.micro_batch)
             return types.SimpleNamespace(bytes=max(by.values()), by_phase=by)
