@@ -197,6 +197,7 @@ def test_the_largest_micro_batch_is_the_edge_of_any_growing_peak(monkeypatch):
         usable = rnd.randint(0, 400_000)
         monkeypatch.setattr(fits, "predicted_peak", fake_peak)
         monkeypatch.setattr(fits, "usable_bytes", lambda gpu, usable=usable: usable)
+        monkeypatch.setattr(fits, "card_target", lambda gpu: None)
         cfg = types.SimpleNamespace(replace=lambda micro_batch: types.SimpleNamespace(micro_batch=micro_batch))
         want = 0
         for mb in range(1, 4097):
