@@ -134,3 +134,48 @@ def opening():
         yield states
     finally:
         comm.create_comm = create
+
+
+class FileSeconds:
+    """Seconds of each test file and notebook (setup, call and teardown of its tests) and which
+    worker ran it: at the end, a line per xdist worker says how long its tests took and when its
+    last file ended (two workers that end far apart waste a core), and with
+    ``DDPKIT_FILE_SECONDS=path`` the figures are written there, longest first, in
+    tests/file_seconds.txt's own format (what its figures are refreshed from)."""
+
+    def __init__(self):
+        self.files = {}  # file -> [seconds, worker, first start, last stop]
+
+    def pytest_runtest_logreport(self, report):
+        row = self.files.setdefault(report.nodeid.split("::")[0], [0.0, "-", None, None])
+        row[0] += report.duration
+        node = getattr(report, "node", None)  # the xdist worker's, on the controller
+        row[1] = getattr(getattr(node, "gateway", None), "id", "-")
+        start, stop = getattr(report, "start", None), getattr(report, "stop", None)
+        if start is not None and stop is not None:
+            row[2] = start if row[2] is None else min(row[2], start)
+            row[3] = stop if row[3] is None else max(row[3], stop)
+
+    def pytest_terminal_summary(self, terminalreporter, config):
+        if hasattr(config, "workerinput") or not self.files:
+            return
+        begun = min((r[2] for r in self.files.values() if r[2] is not None), default=None)
+        workers = sorted({r[1] for r in self.files.values()})
+        for w in workers if len(workers) > 1 and begun is not None else []:
+            mine = {f: r for f, r in self.files.items() if r[1] == w and r[3] is not None}
+            last = max(mine, key=lambda f: mine[f][3])
+            terminalreporter.write_line(
+                f"worker {w}: {len(mine)} files, {sum(r[0] for r in mine.values()):.0f} s of "
+                f"tests, ended {mine[last][3] - begun:.0f} s in (its last: {last})")
+        path = os.environ.get("DDPKIT_FILE_SECONDS")
+        if path:
+            with open(path, "w") as fh:
+                for f, r in sorted(self.files.items(), key=lambda kv: -kv[1][0]):
+                    fh.write(f"{r[0]:6.1f} {f}\n")
+
+
+def pytest_configure(config):
+    # a plugin, not this conftest's own hooks: those see only the reports of tests/ (the
+    # notebooks' come through the plugin manager too)
+    if not config.pluginmanager.has_plugin("ddpkit-file-seconds"):
+        config.pluginmanager.register(FileSeconds(), "ddpkit-file-seconds")

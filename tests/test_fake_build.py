@@ -54,7 +54,9 @@ def check_peaks(cfg, res, within=0.03):
         assert m["peak_phase"] == p.phase, (m["peak_by_phase"], p.by_phase)
 
 
-def test_vit_estimates_plans_and_fits_every_setting(pool):
+def test_vit_estimates_and_fits_every_setting(pool):
+    # (`plan` at the lowest peak: tests/test_breadth.py's vit case, in the default run, on the
+    # same ViT at 2 blocks; planned here at 6 blocks under AdamW it was a third of this test)
     cfg = ddpkit.TrainConfig(**VIT)
     assert _traced(cfg).how == "fake tensors, initialisers off"
     settings = [None, 2, 3, 6, "full", [True, False] * 3]
@@ -69,9 +71,6 @@ def test_vit_estimates_plans_and_fits_every_setting(pool):
         peak = ddpkit.estimate(run).peak().bytes
         assert ddpkit.estimate(run).fits(peak, allowance=0)
         assert not ddpkit.estimate(run).fits(peak - 1, allowance=0)
-    lowest = ddpkit.estimate(cfg.replace(checkpoint="full")).peak().bytes
-    p = ddpkit.plan(cfg, lowest, allowance=0)
-    assert p.fits and p.choice.total <= lowest
 
 
 def test_t5s_peak_is_predicted_with_both_stacks_checkpointed(pool):

@@ -90,3 +90,19 @@ def test_the_slow_list_names_tests_that_exist():
         if not source.exists() or not re.search(rf"^def {func}\(", source.read_text(), re.M):
             missing.append(entry)
     assert missing == [], missing
+
+
+def test_every_test_file_and_notebook_has_its_seconds():
+    """tests/file_seconds.txt orders the full run's files longest first, so that the two xdist
+    workers end together; a file it does not list starts last, and a long one there ends one
+    worker late (test_step_time, test_datadep and test_named_hardware did: about 70 s of tests
+    behind every listed file). Every test file and notebook is listed, and nothing else."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    listed = [line.split()[1] for line in (root / "tests" / "file_seconds.txt").read_text()
+              .splitlines() if line.strip() and not line.startswith("#")]
+    files = {p.relative_to(root).as_posix() for p in
+             [*(root / "tests").rglob("test_*.py"), *(root / "notebooks").glob("*.ipynb")]}
+    assert sorted(set(listed) - files) == [] and sorted(files - set(listed)) == []
+    assert len(listed) == len(set(listed))
