@@ -1,7 +1,9 @@
 """`calibrate()`: this machine's `machine.Machine`, measured once and kept.
 
 It launches ranks (the shared pool's, as a run has them) that measure matrix products,
-attention, memory-bound ops and collectives every rank at once (`rates.py`); runs the built-in
+attention, memory-bound ops and collectives every rank at once (`rates.py`), with what a
+collective costs a rank inside a step (its CPU per call and per byte, its wake-up after
+compute: `instep.py`); runs the built-in
 models' real steps at small sizes with a timeline on every step, and fits the framework's cost
 per dispatched op in each phase to them (least squares over their simulated streams: the cost
 that is most of a small step); measures how much slower a rank computes when more ranks than

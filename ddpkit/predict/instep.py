@@ -12,8 +12,8 @@ see, both measured on the ranks with it (`rates.rank_figures`) and played by `pl
   kernel). `rates.collective_points` reads it with each collective's time, for nothing: the
   process's CPU seconds (every thread) per call; `fit` makes of it a cost per call and per
   byte, by kind and rank count. It replaces one share of a collective's time alone for every
-  size (`calibrate.fit_share`, fitted on the reference steps' walls: 0.3 in one calibration,
-  1.0 in another), which a 1 MiB all-reduce (its CPU most of its time alone) and a 64 MiB one
+  size (`calibrate.fit_share`, fitted on the reference steps' walls: 1.0 in bench/results.md's
+  first run, 0.7 in a calibration at 22:07 the same day), which a 1 MiB all-reduce (its CPU most of its time alone) and a 64 MiB one
   (its CPU a part: the rest is waiting on the loopback) cannot share.
 * **its wake-up** (`wake_points`: `Machine.comm_wake`). Issued after the rank computed, a
   collective finds gloo's worker asleep, the peers' too, its buffers out of cache, and the
@@ -47,25 +47,25 @@ WAKE_SIZES = (2**16, 2**20, 2**22)
 """Payload bytes the wake-up latency is measured at (64 KiB, 1 MiB, 4 MiB)."""
 
 
-def wake_points(world, kinds=("allreduce", "allgather", "reduce_scatter", "broadcast"),
-                sizes=WAKE_SIZES, rounds=9, tick=None):
+def wake_points(world, make, clocked, kinds=("allreduce", "allgather", "reduce_scatter",
+                                              "broadcast"), sizes=WAKE_SIZES, rounds=9, tick=None):
     """{"kind/world": [(payload bytes, seconds)...]}: what a collective issued after the rank
     computed takes beyond one issued right after the last (`rates.collective_points` times
     them back to back): gloo's worker and the peers' asleep, caches cold, the ranks arriving
     apart. The median over ``rounds`` of a call after a compute chunk (a few ms of matrix
-    products, every rank alike), less the median of calls back to back; never below 0."""
+    products, every rank alike), less the median of calls back to back; never below 0.
+    ``make(kind, nbytes, world)``: a function running one collective; ``clocked(run, n)``:
+    seconds a call of ``n`` back to back (`rates`)."""
     import statistics
-
-    from .rates import _clocked, _collective
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     out = {}
     for kind in kinds:
         rows = []
         for nbytes in sizes:
-            run = _collective(kind, nbytes, world)
+            run = make(kind, nbytes, world)
             run()
-            hot = statistics.median(_clocked(run, 3) for _ in range(3))
+            hot = statistics.median(clocked(run, 3) for _ in range(3))
             cold = []
             for _ in range(rounds):
                 for _ in range(8):  # ~2 ms on one core

@@ -292,7 +292,7 @@ def rank_figures(ctx, tick_every=4):
     cpu = {}
     out = {"threads": torch.get_num_threads(),
            "collectives": collective_points(ctx.world_size, tick=tick, cpu=cpu), "cpu": cpu,
-           "wake": instep.wake_points(ctx.world_size, tick=tick)}
+           "wake": instep.wake_points(ctx.world_size, _collective, _clocked, tick=tick)}
     return out if ctx.rank == 0 else None
 
 
