@@ -158,7 +158,7 @@ def card_target(gpu):
     on here."""
     if not is_card(gpu):
         return None
-    from .attention import CudaTarget
+    from .attention import CudaTarget  # it imports torch: parsing a budget here needs none
 
     return CudaTarget(CAPABILITY[gpu_name(gpu)], cudnn=NAMED_CUDNN, cuda=NAMED_CUDA)
 
