@@ -38,7 +38,7 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from ..devices import cublas_workspace_config, resolve_devices
 from ..engine import memory, strategies
@@ -52,7 +52,7 @@ from ..spec.model import describe_spec, fake_model
 from ..spec.setting import CheckpointSetting
 from . import cudastreams
 from .optrace import OpTrace, dtensor_class, is_dtensor_op
-from .datadep import DataDependence
+from .datadep import DataDependence, tensors_in
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
 from .fakeworld import (Accumulations, fake_world, gloo_buffers, late_note, mark_fsdp_collectives,
                         skip_dtensor_meta, watch_buckets, watch_rng_states, watch_storage_resizes)
@@ -123,8 +123,8 @@ class LiveStorages(TorchDispatchMode):
             return out
         made = len(self.events)
         dtensor = dtensor_class() or ()
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, dtensor):
+        for t in tensors_in(out):
+            if not isinstance(t, dtensor):
                 self.add(t.untyped_storage())
         self.accumulations.added(func, args, kwargs, out,
                                  len(self.events) - 1 if len(self.events) > made else None)
