@@ -349,3 +349,4 @@ def _group_size(args):
             except Exception:  # not a process group (a work or options object)
                 continue
     return 1
+
