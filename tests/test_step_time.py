@@ -4,6 +4,7 @@ These tests use a machine of stated round rates (`RATES`), so what they check is
 is played (what overlaps, what waits, what recompute adds, what a link costs), not how fast
 this machine is; `bench/step_time.py` sets predictions beside measured runs.
 """
+import dataclasses
 import math
 
 import pytest
@@ -250,3 +251,53 @@ def test_a_composed_models_step_time_plays_a_simulated_stream(monkeypatch):
         c = cfg.replace(checkpoint=v)
         assert peak.simulated(c, 0).how == "composed" and peak.simulated(c, 0).stream is None
         assert step_time(c, machine=machine()).seconds == pytest.approx(whole[i], rel=2e-3)
+
+
+def _renumbered(stream):
+    """The stream with its op indices counted from its first op and a CUDA rank's events
+    numbered as first named (a step simulated after a shorter step 0 starts its counts
+    earlier; only which op or event a wait names is read)."""
+    first = next(e.index for e in stream if isinstance(e, Op))
+    events = {}
+    for e in stream:
+        if isinstance(e, Mark) and e.what in ("record", "wait_event", "sync_event"):
+            events.setdefault(e.block, len(events))
+    return [dataclasses.replace(e, index=e.index - first) if isinstance(e, Op) else
+            dataclasses.replace(e, block=e.block - first) if e.what == "wait" else
+            dataclasses.replace(e, block=events[e.block]) if e.block in events and
+            e.what in ("record", "wait_event", "sync_event") else e for e in stream]
+
+
+def _micro_cases():
+    """(strategy, k, no_sync, on H100): three in the default run (a synced DDP step, ZeRO-2's
+    reduce-scatter every micro-step, FSDP as a CUDA rank's streams and events), the matrix
+    under --breadth."""
+    ci = {("ddp", 4, True, False), ("zero2", 4, False, False), ("fsdp", 4, False, True)}
+    cases = [(s, k, n, False) for s in ("ddp", "ddp_zero1", "zero2", "fsdp") for k in (4, 8)
+             for n in (True, False)] + [("fsdp", 4, False, True)]
+    return [pytest.param(*c, marks=() if c in ci else pytest.mark.breadth) for c in cases]
+
+
+@pytest.mark.parametrize("strategy, k, no_sync, on_h100", _micro_cases())
+def test_a_step_of_many_micro_steps_simulated_with_three_is_the_whole_step(
+        strategy, k, no_sync, on_h100, monkeypatch):
+    """A step of k >= 4 micro-steps is simulated with its first, one middle and its last
+    micro-step (`simulate.SHORT`: the planner's micro-batch 1 with accumulation 8 took 8.7 s,
+    16 micro-steps for two steps): its peaks are the whole step's to the byte (phase, ledger
+    and each phase's too) and its stream is the whole step's, entry for entry, so the same
+    step time is played from it."""
+    from ddpkit.predict import hardware, simulate as sim_module
+
+    shortened = []
+    real = sim_module.repeat_middle
+    monkeypatch.setattr(sim_module, "repeat_middle",
+                        lambda stream, k: shortened.append(k) or real(stream, k))
+    target = hardware.target("H100") if on_h100 else None
+    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=2, width=16, seq_len=8, vocab=32,
+                             micro_batch=1, accum_steps=k, no_sync=no_sync, strategy=strategy,
+                             optimizer="adamw", world_size=2)
+    whole = simulate(cfg, 0, target=target, short=False)
+    short = simulate(cfg, 0, target=target)
+    assert shortened[-1] == k  # simulated with 3 micro-steps, then carried
+    assert short.peaks == whole.peaks
+    assert _renumbered(short.stream) == _renumbered(whole.stream)

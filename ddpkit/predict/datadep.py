@@ -37,7 +37,7 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 aten = torch.ops.aten
@@ -73,6 +73,8 @@ class DataDependence(TorchDispatchMode):
         super().__init__()
         self.routing = routing
         self.shadows = WeakTensorKeyDictionary()  # fake tensor -> (real tensor, sources)
+        self._given = set()  # id() of every fake ever given a shadow: `of`'s quick "no" for
+        # the rest (an id reused by a later tensor only sends it to the dictionary)
         self._by_storage = {}  # storage -> weak refs to the shadowed tensors that view it
         self.notes = {}  # (op, where, how) -> calls
         self.assumed = {}  # a routing assumed, which sized an op since -> what it assumed
@@ -83,6 +85,7 @@ class DataDependence(TorchDispatchMode):
         """``fake`` has ``real``'s values (the batch: `DATA`)."""
         if _is_fake(fake) and isinstance(real, torch.Tensor) and real.numel() <= LIMIT:
             self.shadows[fake] = (real, frozenset(sources))
+            self._given.add(id(fake))
             if len(self._by_storage) > 4096:  # what has died since
                 self._by_storage = {k: [r for r in refs if r() is not None]
                                     for k, refs in self._by_storage.items()}
@@ -102,7 +105,7 @@ class DataDependence(TorchDispatchMode):
             return None
         if not _is_fake(t):
             return t, frozenset()
-        return self.shadows.get(t)
+        return self.shadows.get(t) if id(t) in self._given else None
 
     def note(self, func, known):
         """``func`` (here in the model's code) was sized by the shadows ``known`` (or at its
@@ -130,21 +133,23 @@ class DataDependence(TorchDispatchMode):
         if any(t.__name__ == "DTensor" for t in types):
             return NotImplemented  # FSDP's DTensors: their local ops come back here
         packet = func.overloadpacket
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = tensors_in((args, kwargs))
         if tensors and not any(_is_fake(t) for t in tensors):
             return func(*args, **kwargs)  # real tensors (constants): nothing to answer
-        if packet in _SIZED_BY or (packet is aten.index and _bool_index(args)):
-            return self._sized(func, args, kwargs)
-        if packet in (aten.topk, aten.argmax) and self.of(args[0]) is None:
-            return self._routed(func, args, kwargs)
-        if packet is aten._grouped_mm:
-            return _grouped_mm(func, args, kwargs)
-        return self._dispatch_plain(func, args, kwargs)
+        if packet in _SPECIAL:
+            if packet in _SIZED_BY or (packet is aten.index and _bool_index(args)):
+                return self._sized(func, args, kwargs)
+            if packet in (aten.topk, aten.argmax) and self.of(args[0]) is None:
+                return self._routed(func, args, kwargs)
+            if packet is aten._grouped_mm:
+                return _grouped_mm(func, args, kwargs)
+        return self._dispatch_plain(func, args, kwargs, tensors)
 
-    def _dispatch_plain(self, func, args, kwargs):
+    def _dispatch_plain(self, func, args, kwargs, leaves=None):
         """Any other op: run on the fake tensors; its outputs get shadows when every input has
         one (a factory of constants too); an in-place op keeps or loses its target's."""
-        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if leaves is None:
+            leaves = tensors_in((args, kwargs))
         known = [self.of(t) for t in leaves]
         if torch.Tag.data_dependent_output in func.tags and all(known):
             real = self._real(func, args, kwargs)
@@ -152,7 +157,9 @@ class DataDependence(TorchDispatchMode):
             return real
         out = func(*args, **kwargs)
         if func._schema.is_mutable:
-            self._mutated(func, args, kwargs, known)
+            # what it writes is among its tensors: none viewing a shadowed storage, none to forget
+            if all(known) or any(t.untyped_storage()._cdata in self._by_storage for t in leaves):
+                self._mutated(func, args, kwargs, known)
         elif all(known) and (leaves or func.overloadpacket in _FACTORIES) and \
                 torch.Tag.nondeterministic_seeded not in func.tags:
             self._shadow_out(out, self._real(func, args, kwargs),
@@ -295,9 +302,37 @@ def _assumed(routing, rows, k, choices):
     return torch.cat([torch.zeros(rows, 1, dtype=torch.long), rest], dim=1)
 
 
+_SPECIAL = {*_SIZED_BY, aten.index, aten.topk, aten.argmax, aten._grouped_mm}
+
+
+def tensors_in(values):
+    """The tensors in an op's ``(args, kwargs)`` or output, in ``tree_leaves``'s order (tuples,
+    lists and dicts opened; aten's arguments hold no other container of tensors), without
+    pytree's cost on every op of a simulated step."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    out = []
+    if isinstance(values, (tuple, list, dict)):
+        _collect(values, out)
+    return out
+
+
+def _collect(values, out):
+    for v in values.values() if isinstance(values, dict) else values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list, dict)):
+            _collect(v, out)
+
+
+_FAKE = []
+
+
 def _is_fake(t):
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor)
+    if not _FAKE:  # imported on first use: a FakeTensor exists only once torch made it
+        from torch._subclasses.fake_tensor import FakeTensor
+        _FAKE.append(FakeTensor)
+    return isinstance(t, _FAKE[0])
 
 
 def _bool_index(args):

@@ -22,18 +22,26 @@ import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from .datadep import tensors_in
 from .replay import recipe
 
+
+
+_DTENSOR = []
 
 
 def dtensor_class():
     """torch's ``DTensor`` class, or ``None`` while ``torch.distributed.tensor`` is not imported:
     no DTensor can exist before it is (FSDP2 imports it). Not imported here: it costs about a
     second of every ``import ddpkit`` (every kernel, the rank server, most tests)."""
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if _DTENSOR:  # asked on every op of a simulated step: found once, kept
+        return _DTENSOR[0]
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if cls is not None:
+        _DTENSOR.append(cls)
+    return cls
 
 
 def is_dtensor_op(types):
@@ -119,7 +127,7 @@ class Mark:
 
 
 def _tensors(values):
-    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+    return tensors_in(values)
 
 
 def _elements_bytes(tensors):
@@ -341,3 +349,4 @@ def _group_size(args):
             except Exception:  # not a process group (a work or options object)
                 continue
     return 1
+

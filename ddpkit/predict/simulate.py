@@ -38,7 +38,7 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from ..devices import cublas_workspace_config, resolve_devices
 from ..engine import memory, strategies
@@ -51,8 +51,9 @@ from ..spec.blocks import resolve_blocks
 from ..spec.model import describe_spec, fake_model
 from ..spec.setting import CheckpointSetting
 from . import cudastreams
+from .micro import SHORT, Batches, repeat_middle
 from .optrace import OpTrace, dtensor_class, is_dtensor_op
-from .datadep import DataDependence
+from .datadep import DataDependence, tensors_in
 from .trace import as_real_for_transformers, example_batch, on_device, run_target
 from .fakeworld import (Accumulations, fake_world, gloo_buffers, late_note, mark_fsdp_collectives,
                         skip_dtensor_meta, watch_buckets, watch_rng_states, watch_storage_resizes)
@@ -123,8 +124,8 @@ class LiveStorages(TorchDispatchMode):
             return out
         made = len(self.events)
         dtensor = dtensor_class() or ()
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, dtensor):
+        for t in tensors_in(out):
+            if not isinstance(t, dtensor):
                 self.add(t.untyped_storage())
         self.accumulations.added(func, args, kwargs, out,
                                  len(self.events) - 1 if len(self.events) > made else None)
@@ -173,16 +174,23 @@ class Simulation:
     """How a composed step was made (`compose.Composition`); None when simulated whole."""
 
 
-def simulate(cfg, rank=0, steps=2, keep=None, target=None, setting=None, recorder=None):
+def simulate(cfg, rank=0, steps=2, keep=None, target=None, setting=None, recorder=None,
+             short=True):
     """Run ``steps`` optimizer steps of rank ``rank`` of ``cfg`` on fake tensors: a
     `Simulation`. ``target``: an `attention.CudaTarget` to simulate the rank as a CUDA rank on
     that GPU (a named device's, `hardware.target`) whatever this machine has; None: the
     config's own device (a CUDA rank where the config runs on CUDA here). For `compose.py` and
     `scale.py`: ``keep``, only the first ``keep`` blocks of each stack (an int, or one per
     stack); ``setting``, a `CheckpointSetting` of those blocks to run instead of the config's;
-    ``recorder``, a `pieces.Recorder` that marks the blocks and keeps each step's pieces."""
+    ``recorder``, a `pieces.Recorder` that marks the blocks and keeps each step's pieces.
+    ``short``: a step of more than `micro.SHORT` micro-steps simulated with that many (`micro`;
+    False: all of them)."""
+    short = short and recorder is None and cfg.accum_steps > SHORT
     with _new_objects_only() as thaw:
-        return _simulate(cfg, rank, steps, keep, thaw, target, setting, recorder)
+        sim = _simulate(cfg, rank, steps, keep, thaw, target, setting, recorder, short)
+        if sim is None:  # data-dependent ops (counted per call), or a wait across micro-steps
+            sim = _simulate(cfg, rank, steps, keep, thaw, target, setting, recorder, False)
+        return sim
 
 
 _FREEZE_LOCK = threading.Lock()
@@ -218,7 +226,8 @@ def _new_objects_only():
         _FREEZE_LOCK.release()
 
 
-def _simulate(cfg, rank, steps, keep, thaw, target=None, setting=None, recorder=None):
+def _simulate(cfg, rank, steps, keep, thaw, target=None, setting=None, recorder=None,
+              short=False):
     backend, device = resolve_devices(cfg.world_size, cfg.backend, cfg.device)
     if target is None:
         target = run_target(cfg) if device == "cuda" else None
@@ -264,23 +273,28 @@ def _simulate(cfg, rank, steps, keep, thaw, target=None, setting=None, recorder=
                 if "foreach" in group:
                     group["foreach"] = True
         rank_parts = (model, wrapped, optimizer, policy)
-        peaks = _steps(plan, steps, live, rank_parts, (template, real_batch, buckets),
+        peaks = _steps(plan, steps, live, rank_parts, (template, real_batch, buckets, short),
                        (trace, recorder, blocks), (stage, target))
         live.observer = None
         loads = _loads(optimizer, model, cfg.world_size)
+    stream = repeat_middle(trace.stream, plan.accum_steps) if short else trace.stream
+    if short and (stream is None or datadep.notes):
+        return None
     assumed = tuple(datadep.lines()) + ((late_note(largest[0]),) if largest else ())
     for p in peaks:
         p.assumed = assumed
-    return Simulation(rank, peaks, loads, stream=trace.stream, assumed=assumed)
+    return Simulation(rank, peaks, loads, stream=stream, assumed=assumed)
 
 
 def _steps(plan, steps, live, rank_parts, data, watchers, where):
     """The simulated steps' `Peak` s: ``rank_parts`` (model, wrapped, optimizer, policy) run on
-    ``data`` (the fake template batch, the real one, DDP's buckets seen), ``watchers`` (the
+    ``data`` (the fake template batch, the real one, DDP's buckets seen, whether the step is
+    simulated with `micro.SHORT` micro-steps), ``watchers`` (the
     `OpTrace`, a `pieces.Recorder` or None, the blocks), ``where`` (the error stage, a CUDA
     target or None)."""
     model, wrapped, optimizer, _ = rank_parts
-    template, real_batch, buckets = data
+    template, real_batch, buckets, short = data
+    count = SHORT if short else plan.accum_steps
     trace, recorder, blocks = watchers
     stage, target = where
     peaks = []
@@ -293,12 +307,12 @@ def _steps(plan, steps, live, rank_parts, data, watchers, where):
         for step in _within(streams, range(steps)):
             trace.reset()
             # collated inside the step, as `RankBatches.micro_batches` (a generator) does
-            batches = (tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
-                                template) for _ in range(plan.accum_steps))
+            batches = Batches(template, count, plan.accum_steps - count)
             if recorder:
                 recorder.begin()
             with on_device(target), stage("the step"):
-                peak = _one_step(plan, step, live, rank_parts, batches, buckets,
+                peak = _one_step(plan.replace(accum_steps=count), step, live, rank_parts, batches,
+                                 buckets,
                                  as_real_for_transformers(real_batch), (trace, recorder))
             extra = cublas_workspaces(target) if target is not None else 0
             peaks.append(_plus(peak, extra))
@@ -385,6 +399,7 @@ def _one_step(plan, step, live, rank, batches, buckets, real_transformers, watch
                    precision=strategies.autocast_precision(plan), device="cpu",
                    activation_probe=acts, inner=model, loss_fn=plan.loss_fn, phase=trace.phase,
                    read_loss=False)
+        batches.release()  # its list died as it returned: the batches held die with it
     live.accumulations.settle()
     end = len(live.events) - start
     census["ddp_buckets"] = dict(buckets.values())
@@ -395,6 +410,7 @@ def _one_step(plan, step, live, rank, batches, buckets, real_transformers, watch
     seen += [("ddp_buckets", key, end) for key in census["ddp_buckets"]]
     for keys, index in zip(acts.saved_keys, live.forward_ends):
         seen += [("activations", key, index - start) for key in keys]
+    seen += [(k, key, i - start) for k, key, i in batches.seen(acts.saved_keys, live.forward_ends)]
     seen = live.accumulations.seen_through(seen, start)
     events, totals = live.events[start:], live.totals[start:]
     peak = memory.summarize(events, totals, base, census, seen)
