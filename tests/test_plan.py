@@ -148,6 +148,12 @@ def test_a_cards_fit_is_its_cuda_rank_not_this_machines_cpu_rank():
     assert h100.ledger["gradients"] % 512 == 0 != here.ledger["gradients"] % 512
     with pytest.raises(ValueError, match=r"peak\(device=1024\): pass a card's name such as 'H100'"):
         est.peak(device=1024)
+    # the plans against a card plan the card's rank: its peaks, and on time its step time too
+    p = ddpkit.plan(cfg, "T4")
+    assert p.fits and p.choice.peak == est.peak(device="T4") == t4
+    q = ddpkit.plan(cfg, "T4", objective="time")
+    assert q.choice.peak == ddpkit.estimate(q.choice.config).peak(device="T4")
+    assert q.choice.seconds == ddpkit.estimate(q.choice.config).step_time(device="T4").seconds
 
 
 @pytest.mark.parametrize("value, message", [

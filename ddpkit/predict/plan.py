@@ -51,7 +51,7 @@ from ..engine import strategies
 from ..engine.memory import TIE
 from ..spec.setting import CheckpointSetting
 from .estimate import estimate, traced_flops
-from .gpus import Allowance, allocator_allowance, budget_bytes
+from .gpus import Allowance, allocator_allowance, budget_bytes, card_target
 from .peak import predicted_peak
 from .units import fmt_bytes
 
@@ -72,13 +72,16 @@ class Choice:
     peak: object = None
     config: object = field(default=None, repr=False, compare=False)
     """The config whose row this is: its peak is simulated when first asked for (`total`)."""
+    target: object = field(default=None, repr=False, compare=False)
+    """The card whose CUDA rank is simulated (`gpus.card_target`), or None: the config's own."""
 
     @property
     def total(self):
         """Predicted bytes per rank at the step's peak: its simulated step's (simulated on first
         use where the row has its config; else placed)."""
         if self.peak is None and self.config is not None:
-            self.peak = predicted_peak(self.config.replace(checkpoint=self.checkpoint))
+            self.peak = predicted_peak(self.config.replace(checkpoint=self.checkpoint),
+                                       target=self.target)
         return self.peak.bytes if self.peak is not None else self.placed
 
     @property
@@ -264,22 +267,25 @@ def plan(cfg, memory_budget, allowance=None):
     """The per-block checkpoint choice whose step peak per rank (simulated: every live byte at
     the step's highest moment, DDP's buckets included) fits ``memory_budget`` (bytes, a string
     like '12GiB', or a GPU name from `gpus.GPUS`) at the least recompute, beside the allocator's
-    allowance (`gpus.allocator_allowance`; ``allowance``: a fraction of your own, 0 for none)."""
+    allowance (`gpus.allocator_allowance`; ``allowance``: a fraction of your own, 0 for none).
+    Against a card's name every peak is that card's CUDA rank's (`gpus.card_target`), as `fits`
+    simulates it."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")
-    given = budget_bytes(memory_budget)
+    given, target = budget_bytes(memory_budget), card_target(memory_budget)
     allowed = allocator_allowance(cfg, memory_budget, allowance)
     budget = allowed.room(given)  # what the step's tensors may peak at
     fig = _figures(cfg)
-    unchecked = predicted_peak(cfg.replace(checkpoint=None))
+    unchecked = predicted_peak(cfg.replace(checkpoint=None), target=target)
     front = frontier((_place(_choice(fig, CheckpointSetting.from_mask(m, fig.none.stacks)), fig,
                              unchecked) for m in _masks(fig)), by="placed")
     for c in front:  # each row's peak: its own simulated step, on first use
-        c.config = cfg
+        c.config, c.target = cfg, target
     # every block checkpointed keeps the fewest activations: what checkpointing can reach
-    lowest = unchecked if not front[1:] else predicted_peak(cfg.replace(checkpoint="full"))
+    lowest = unchecked if not front[1:] else predicted_peak(cfg.replace(checkpoint="full"),
+                                                            target=target)
     if min(lowest.bytes, unchecked.bytes) > budget:
-        return Plan(budget, None, front, _alternatives(cfg, budget), cfg,
+        return Plan(budget, None, front, _alternatives(cfg, budget, target), cfg,
                     _out_of_reach(unchecked, lowest), unchecked, allowed, given)
     # the cheapest row whose simulated peak fits (the rows cheaper than it: simulated, above)
     choice = next((c for c in front if c.total <= budget), None)
@@ -287,8 +293,8 @@ def plan(cfg, memory_budget, allowance=None):
         return Plan(budget, choice, front, [], cfg, "", unchecked, allowed, given)
     reason = ("no checkpoint choice brings the step's peak within the budget (the lowest is "
               f"{fmt_bytes(min(c.total for c in front))})")
-    return Plan(budget, None, front, _alternatives(cfg, budget), cfg, reason, unchecked, allowed,
-                given)
+    return Plan(budget, None, front, _alternatives(cfg, budget, target), cfg, reason, unchecked,
+                allowed, given)
 
 
 def _out_of_reach(unchecked, lowest):
@@ -303,7 +309,7 @@ def _out_of_reach(unchecked, lowest):
             f"in the {lowest.phase}: no checkpoint choice brings it within the budget")
 
 
-def _alternatives(cfg, budget):
+def _alternatives(cfg, budget, target=None):
     """What would fit when no checkpoint choice does, each with its predicted step peak (the
     lower of no checkpointing and every block checkpointed): gradients in DDP's buckets,
     ZeRO-1, FSDP, and a smaller micro-batch with more accumulation (same global batch)."""
@@ -332,9 +338,9 @@ def _alternatives(cfg, budget):
             other = cfg.replace(**change)
         except ValueError:
             continue
-        best, setting = predicted_peak(other.replace(checkpoint=None)), None
+        best, setting = predicted_peak(other.replace(checkpoint=None), target=target), None
         if best.bytes > budget and best.phase != "optimizer":  # checkpointing can help there
-            full = predicted_peak(other.replace(checkpoint="full"))
+            full = predicted_peak(other.replace(checkpoint="full"), target=target)
             if full.bytes < best.bytes:
                 best, setting = full, "full"
         out.append(dict(change=what, predicted=best.bytes, fits=best.bytes <= budget,

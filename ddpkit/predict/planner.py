@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import TrainConfig
-from .gpus import allocator_allowance, budget_bytes
+from . import hardware
+from .gpus import allocator_allowance, budget_bytes, card_target, gpu_name, is_card
 from .peak import predicted_peak
 from .plan import plan as memory_plan
 from .steptime import step_time
@@ -111,7 +112,9 @@ def plan(cfg, memory_budget, objective="memory", device=None, link=None, allowan
     (`plan.Plan`); ``objective="time"`` the fastest setting of strategy, micro-batch and
     accumulation, checkpointing and bucket size at the same global batch (a `TimePlan`, whose
     ``budget`` is what the allowance leaves the peak; ``device``/``link`` as
-    `estimate(cfg).step_time` takes them)."""
+    `estimate(cfg).step_time` takes them). Against a card's name the peaks are that card's CUDA
+    rank's (`gpus.card_target`, as `fits` simulates it); on time, a named ``device``'s rank's,
+    and a card the catalogue has (`hardware.DEVICES`) is the ``device`` when none is named."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"plan() takes a ddpkit.TrainConfig, got {type(cfg).__name__}")
     if objective == "memory":
@@ -120,7 +123,10 @@ def plan(cfg, memory_budget, objective="memory", device=None, link=None, allowan
         raise ValueError(f"plan(objective={objective!r}): pass 'memory' (the least recompute "
                          f"that fits) or 'time' (the fastest step that fits)")
     room = allocator_allowance(cfg, memory_budget, allowance).room(budget_bytes(memory_budget))
-    return fastest(cfg, room, device, link)
+    if device is None and is_card(memory_budget) and gpu_name(memory_budget) in hardware.DEVICES:
+        device = gpu_name(memory_budget)  # the card's own step time, beside its own peak
+    target = hardware.target(device) if device is not None else card_target(memory_budget)
+    return fastest(cfg, room, device, link, target)
 
 
 def _micro_batches(cfg):
@@ -145,8 +151,9 @@ def _strategies(cfg):
     return out
 
 
-def fastest(cfg, budget, device=None, link=None):
-    """The fastest fitting candidate (see the module's note)."""
+def fastest(cfg, budget, device=None, link=None, target=None):
+    """The fastest fitting candidate (see the module's note); ``target``: the CUDA rank whose
+    peaks are simulated (None: the config's own device's)."""
     candidates = []
     for strategy, optimizer in _strategies(cfg):
         for mb in _micro_batches(cfg):  # the largest first
@@ -156,7 +163,7 @@ def fastest(cfg, budget, device=None, link=None):
                 base = cfg.replace(**changes, checkpoint=None, bucket_cap_mb=None)
             except ValueError:
                 continue  # a combination the config refuses (e.g. a comm hook with FSDP)
-            setting, peak = _checkpoint_that_fits(base, budget)
+            setting, peak = _checkpoint_that_fits(base, budget, target)
             if peak is None:
                 continue
             run = base.replace(checkpoint=setting)
@@ -184,23 +191,23 @@ def _ladder(cfg):
     return [*counts, "full"]
 
 
-def _checkpoint_that_fits(cfg, budget):
+def _checkpoint_that_fits(cfg, budget, target=None):
     """(setting, peak): None when the step fits without checkpointing, else the setting of
     the least recompute on `_ladder` that fits (a binary search: each look is one simulated
     step); (None, None) when not even every block checkpointed fits."""
-    peak = predicted_peak(cfg)
+    peak = predicted_peak(cfg, target=target)
     if peak.bytes <= budget:
         return None, peak
     ladder = _ladder(cfg)
     # the least recompute first: a budget the unchecked step misses by little (the common
     # case) is met by its first rung, one look instead of the search's three or four
-    first = predicted_peak(cfg.replace(checkpoint=ladder[0]))
+    first = predicted_peak(cfg.replace(checkpoint=ladder[0]), target=target)
     if first.bytes <= budget:
         return ladder[0], first
     lo, hi, found = 1, len(ladder) - 1, None
     while lo <= hi:  # the peak falls along the ladder (more blocks checkpointed, less kept)
         mid = (lo + hi) // 2
-        p = predicted_peak(cfg.replace(checkpoint=ladder[mid]))
+        p = predicted_peak(cfg.replace(checkpoint=ladder[mid]), target=target)
         if p.bytes <= budget:
             found, hi = (ladder[mid], p), mid - 1
         else:
