@@ -161,11 +161,11 @@ class Library:
                 else:
                     self.raw[key] = (phase, sizes, kinds)
             region = {j: (a, b - 1) for a, b in setting.regions for j in range(a, b)}
-            for made, size, kind, freed in shared:
+            for made, size, kind, freed, by_region in shared:
                 made_key, freed_key = keys[made[0]], keys[freed[0]]
                 name, by = pieces[made[0]][0], pieces[freed[0]][0][3]
                 ends = region.get(name[3], ())
-                if name[2] in ("F", "R") and by in ends and by != name[3]:  # the region's
+                if by_region:  # the region's (freed by its first or its last block)
                     back = len(self.raw[freed_key][1]) - freed[1]  # from the piece's end
                     self.held.setdefault((made_key, made[1], by == ends[1]), {}).setdefault(
                         freed_key[6], (freed_key[:4], back, size, kind))

@@ -217,17 +217,20 @@ class Recorder:
             if events[a][3] == "optimizer":
                 pieces += self._optimizer_runs(a, b, events, kinds, start)
                 continue
-            at, sizes, kind_of = len(pieces), [], []
+            at, sizes, kind_of, made_any = len(pieces), [], [], False
             for i in range(a, b):
                 size, key = events[i][0], events[i][1]
                 if size > 0:
                     home[key] = (at, len(sizes), i)
+                    made_any = True
                 else:
                     made = home.pop(key, None)
-                    if made is not None and made[0] != at and \
-                            self._left_out(pieces[made[0]][0], name, self._blocks_given(
-                                key, made[2], i), not sizes):
-                        shared.append((made[:2], -size, kinds[i], (at, len(sizes))))
+                    why = made is not None and made[0] != at and self._left_out(
+                        pieces[made[0]][0], name, self._blocks_given(key, made[2], i),
+                        not sizes, made_any)
+                    if why:
+                        shared.append((made[:2], -size, kinds[i], (at, len(sizes)),
+                                       why == "region"))
                         continue
                 sizes.append(size)
                 kind_of.append(kinds[i])
@@ -239,17 +242,23 @@ class Recorder:
         ``born`` to ``died``: an address is taken again once its storage has died)."""
         return {block for at, block in self._handed.get(key, ()) if born <= at <= died}
 
-    def _left_out(self, made, freed, given, first=False):
+    def _left_out(self, made, freed, given, first=False, after_made=False):
         """Is this a storage whose free depends on other blocks: made outside the blocks'
         forward, by a block for all that follow (T5's position bias: handed to two or more),
-        or by a block of a region and freed with the region (by its first block)? ``first``:
-        the free is the first event of its piece (``freed``)."""
+        or by a block of a region and freed with the region (by its first or its last block:
+        'region')? ``first``: the free is the first event of its piece (``freed``);
+        ``after_made``: the piece made a storage before it."""
         if _outside(made):
             return True
         block, region = made[3], self.region_of.get(made[3])
+        # a region's, freed with it (by its first or its last block); not what the end of the
+        # forward frees (autocast's casts of the weights, its cache cleared as the forward's
+        # context exits) where the region's last block is the stack's (a cut's region at its
+        # end): a region lets go of its blocks' as its last returns, before the code after it
+        # makes anything
         if made[2] in ("F", "R") and region is not None and freed[3] in region and \
-                freed[3] != block:
-            return True  # a region's, freed with it (by its first or its last block)
+                freed[3] != block and not (freed[2] == "G" and after_made):
+            return "region"
         if made[0] != "forward" or made[2] != "F":
             return False
         lasts = {b - 1 for _, b in self.stacks}
