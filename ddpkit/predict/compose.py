@@ -170,8 +170,9 @@ class Library:
                     self.held.setdefault((made_key, made[1], by == ends[1]), {}).setdefault(
                         freed_key[6], (freed_key[:4], back, size, kind))
                     continue
-                self._shared(made_key, made[1], size, kind, freed_key, freed[1],
-                             by_maker=name[3] is not None and pieces[freed[0]][0][3] == name[3])
+                rule = self._shared(made_key, made[1], size, kind, freed_key, freed[1],
+                                    by_maker=name[3] is not None and by == name[3])
+                rule["not"].update(_passed(name[3], by, freed_key, where, st))
             self.skeletons[step] = skeleton
             self.optimizer[step] = optimizer
             k = len(where) // len(self.stacks)  # ZeRO-1's lines: the step's figures per cut
@@ -188,7 +189,7 @@ class Library:
         """What the model made outside the blocks, freed by its last holder: by the state of the
         block that held it last (the lowest-numbered holder, the last the backward meets), or
         where nothing held it."""
-        rule = self.shared.setdefault((made, offset), {"size": size, "held": {},
+        rule = self.shared.setdefault((made, offset), {"size": size, "held": {}, "not": set(),
                                                        "unheld": None, "maker": None})
         # what it is (an activation where a block keeps it, else a temporary) goes with who
         # held it: ``kind`` is put on its allocation and its free alike
@@ -202,6 +203,7 @@ class Library:
                 freed[5], (freed[:4], back, kind))
         else:
             rule["unheld"] = (freed, back, kind)
+        return rule
 
     def _free(self, out, rule, made, offset, home, where, st):
         """The free of one shared storage (made by block ``home``, or outside the blocks)."""
@@ -239,12 +241,15 @@ class Library:
             n = len(sizes)  # a negative offset counts from the piece's end
             changes = [(o if o >= 0 or size is None else max(n + o, 0), size, kind)
                        for o, size, kind in changes]
-            for offset, size, kind in sorted(changes, key=lambda c: (-c[0], c[1] is None)):
+            # offsets are the piece's own: kinds set first, then frees put in from the end (a
+            # free put in at an allocation's offset goes before it, and moves it on)
+            for offset, size, kind in changes:
                 if size is None:
                     kinds[offset] = kind
-                else:
-                    sizes.insert(min(offset, len(sizes)), size)
-                    kinds.insert(min(offset, len(kinds)), kind)
+            for offset, size, kind in sorted((c for c in changes if c[1] is not None),
+                                             key=lambda c: -c[0]):
+                sizes.insert(min(offset, len(sizes)), size)
+                kinds.insert(min(offset, len(kinds)), kind)
         return summarize(sizes, kinds, phase)
 
     # ------------------------------------------------------------------ composing
@@ -252,10 +257,15 @@ class Library:
         """The `Simulation` of ``setting`` on the whole model, from the library's pieces."""
         with self.lock:
             self.need(setting)
-            mine = set(zip((w[0] for w in self._where(setting)), states(setting, self.fine)))
-            if any(r["unheld"] is None and not set(r["held"]) & mine
-                   for r in self.shared.values()):
-                self.add(tuple((a, a + 1, False) for a in range(CUT * len(self.stacks))), CUT)
+            # a storage made for the blocks that follow (T5's position bias), where no cut has
+            # shown whether a block of some state here holds it: the cut of the setting's own
+            # first blocks shows who holds it first
+            for k in (CUT, CUT + 2):
+                head = self._head(setting, k)
+                if k > min(self.stacks) or ((k,) * len(self.stacks), head) in self.simulated or \
+                        not self._unknown(setting):
+                    continue
+                self.add(head, k)
             if self.zero and len(self.per_cut) < 2:  # a second size, for the lines
                 k = CUT + 2 if CUT in self.per_cut else CUT
                 self.add(tuple((s * k + a, s * k + a + 1, False) for s in range(len(self.stacks))
@@ -277,6 +287,37 @@ class Library:
             p.assumed = self.assumed
         return Simulation(self.rank, peaks, loads, how="composed", stream=None,
                           assumed=self.assumed, composition=comp)
+
+    def _head(self, setting, k):
+        """The cut layout of ``setting``'s first ``k`` blocks of each stack (a region cut at
+        the k-th block)."""
+        out, first = [], 0
+        for s, n in enumerate(self.stacks):
+            out += [(a - first + s * k, min(b, first + k) - first + s * k, on)
+                    for a, b, on in setting.segments if first <= a < first + k]
+            first += n
+        return tuple(out)
+
+    def _unknown(self, setting):
+        """Is there a shared storage whose holders in ``setting`` no cut has shown: a block
+        after its maker, before any known holder, of a (stack, state) not known to let it be?"""
+        where, st = self._where(setting), states(setting, self.fine)
+        for (made, _), rule in self.shared.items():
+            if rule["maker"] is not None:
+                continue
+            homes = [None] if made[4] is None else \
+                [b for b, w in enumerate(where) if w == made[4:6] and st[b] == made[6]]
+            reach = -1  # blocks up to here seen: a known holder's, or the end
+            for home in homes:
+                b = 0 if home is None else home + 1
+                if b <= reach:
+                    continue
+                while b < len(where) and (where[b][0], st[b]) not in rule["held"]:
+                    if (where[b][0], st[b]) not in rule["not"]:
+                        return True
+                    b += 1
+                reach = b
+        return False
 
     def _line(self, figure):
         """``figure`` (a list of numbers) of the cut, carried along the line through the two
@@ -402,6 +443,19 @@ class Library:
                 for n in range(count[w]):
                     if got:
                         walk.add(got[0] if n == 0 else got[-1], "optimizer")
+
+
+def _passed(maker, by, freed, where, st):
+    """The (stack, state)s a shared storage's free shows hold it not: the blocks after its
+    maker (``maker``: a block of the cut, or None: made outside the blocks) and before the one
+    that let it go in its backward (``by``, the lowest holder: the backward meets it last), or
+    every block after its maker where none let it go."""
+    start = 0 if maker is None else maker + 1
+    held = freed[1] == "backward" and freed[3] in ("B", "R", "r") and by is not None
+    if held and by == maker:
+        return set()
+    stop = by if held else len(where)
+    return {(where[b][0], st[b]) for b in range(start, stop)}
 
 
 def composable(cfg, above):
