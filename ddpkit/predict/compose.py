@@ -161,7 +161,7 @@ class Library:
                 else:
                     self.raw[key] = (phase, sizes, kinds)
             region = {j: (a, b - 1) for a, b in setting.regions for j in range(a, b)}
-            for made, size, kind, freed, by_region in shared:
+            for made, size, kind, freed, by_region, handed in shared:
                 made_key, freed_key = keys[made[0]], keys[freed[0]]
                 name, by = pieces[made[0]][0], pieces[freed[0]][0][3]
                 ends = region.get(name[3], ())
@@ -173,6 +173,7 @@ class Library:
                 rule = self._shared(made_key, made[1], size, kind, freed_key, freed[1],
                                     by_maker=name[3] is not None and by == name[3])
                 rule["not"].update(_passed(name[3], by, freed_key, where, st))
+                rule["handed"] = rule.get("handed", False) or handed
             self.skeletons[step] = skeleton
             self.optimizer[step] = optimizer
             k = len(where) // len(self.stacks)  # ZeRO-1's lines: the step's figures per cut
@@ -303,8 +304,8 @@ class Library:
         after its maker, before any known holder, of a (stack, state) not known to let it be?"""
         where, st = self._where(setting), states(setting, self.fine)
         for (made, _), rule in self.shared.items():
-            if rule["maker"] is not None:
-                continue
+            if rule["maker"] is not None or not rule.get("handed"):
+                continue  # its maker keeps it, or no other block was handed it to hold
             homes = [None] if made[4] is None else \
                 [b for b, w in enumerate(where) if w == made[4:6] and st[b] == made[6]]
             reach = -1  # blocks up to here seen: a known holder's, or the end
@@ -410,10 +411,10 @@ class Library:
             region = {b - 1: a for a, b in setting.regions}  # region's last block -> its first
             for b in reversed(range(len(where))):
                 yield "B", b
-                if b in region:
+                if b in region:  # each block run again, and what follows it to the next
                     for j in range(region[b], b + 1):
                         yield "R", j
-                    yield "r", b
+                        yield "r", j
                 if b in firsts:
                     yield "H", b
 
@@ -469,13 +470,8 @@ def composable(cfg, above):
 
 def proven(cfg):
     """Is the composition of ``cfg``'s setting held to the whole simulation, to the byte
-    (tests/test_compose.py, --breadth for the matrix)? One stack: in fp32 any setting; in bf16
-    a setting alike on every block (none, every block). Not yet: bf16 with segments or a
-    selective list (a storage the blocks' casts hand on is placed 16 KiB off), and several
-    stacks (T5 at 9 + 9 blocks: a ledger of negative bytes with none, 5 KiB off with FSDP and
-    every block): those are simulated whole."""
-    setting = cfg.checkpoint
-    alike = setting.value is None or setting.value == "full" or all(setting.mask) or \
-        not any(setting.mask)
-    return not setting.several and (alike or cfg.precision == "fp32")
-
+    (tests/test_compose.py, --breadth for the matrix)? Every checkpoint setting (none, segments,
+    every block, any selective list), in fp32 and bf16, with DDP, ZeRO-1 or FSDP, accumulation,
+    one stack or several (T5's encoder and decoder). The rest (ZeRO-2, HSDP, fp16) is simulated
+    whole."""
+    return cfg.strategy in ("ddp", "ddp_zero1", "fsdp") and cfg.precision in ("fp32", "bf16")

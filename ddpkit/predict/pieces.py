@@ -203,7 +203,9 @@ class Recorder:
         kind -> {storage key: bytes}). A storage the model makes outside the blocks' forward
         (``shared``: a mask, positions, the embeddings' output) is freed wherever its last holder
         lets go, which depends on the other blocks: its free is left out of the piece it falls
-        in and kept as ``(allocated at, bytes, kind, freed at)``, each place a (piece, offset)."""
+        in and kept as ``(allocated at, bytes, kind, freed at, a region's, handed on)``, each
+        place a (piece, offset); a region's: freed with the region whose block made it; handed
+        on: passed to a block other than its maker (only such a block can hold it)."""
         self.bases.append(self._by_block(ledger, census))
         kinds = event_kinds(ledger, events)
         pieces, home, shared = [], {}, []
@@ -225,12 +227,12 @@ class Recorder:
                     made_any = True
                 else:
                     made = home.pop(key, None)
+                    given = made is not None and self._blocks_given(key, made[2], i)
                     why = made is not None and made[0] != at and self._left_out(
-                        pieces[made[0]][0], name, self._blocks_given(key, made[2], i),
-                        not sizes, made_any)
-                    if why:
+                        pieces[made[0]][0], name, given, not sizes, made_any)
+                    if why:  # and whether a block other than its maker was handed it
                         shared.append((made[:2], -size, kinds[i], (at, len(sizes)),
-                                       why == "region"))
+                                       why == "region", bool(given - {pieces[made[0]][0][3]})))
                         continue
                 sizes.append(size)
                 kind_of.append(kinds[i])
