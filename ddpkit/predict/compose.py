@@ -472,6 +472,10 @@ def proven(cfg):
     """Is the composition of ``cfg``'s setting held to the whole simulation, to the byte
     (tests/test_compose.py, --breadth for the matrix)? Every checkpoint setting (none, segments,
     every block, any selective list), in fp32 and bf16, with DDP, ZeRO-1 or FSDP, accumulation,
-    one stack or several (T5's encoder and decoder). The rest (ZeRO-2, HSDP, fp16) is simulated
-    whole."""
-    return cfg.strategy in ("ddp", "ddp_zero1", "fsdp") and cfg.precision in ("fp32", "bf16")
+    on one stack; on several (T5's encoder and decoder) with DDP or ZeRO-1. Not yet: FSDP on
+    several stacks (T5 at 9 + 9 blocks: its all-gather buffers 0.5-5 KiB off, the prefetch of
+    the decoder's first block, which alone holds the position bias, reaching past its
+    neighbour); ZeRO-2, HSDP and fp16 are untested: those are simulated whole."""
+    if cfg.strategy not in ("ddp", "ddp_zero1", "fsdp") or cfg.precision not in ("fp32", "bf16"):
+        return False
+    return not (cfg.checkpoint.several and is_fsdp(cfg.strategy))
