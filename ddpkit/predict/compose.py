@@ -35,7 +35,9 @@ import threading
 
 from ..engine.memory import KINDS
 from ..engine.strategies import is_fsdp
-from .layouts import CUT, Layout, candidates, layout_text, micro_class, role, segment_like, states
+from .layouts import (CUT, Layout, candidates, head_of, layout_text, micro_class, passed, role,
+                      segment_like, states)
+from .layouts import composable, proven  # noqa: F401 - asked of the composition, kept here
 from .pieces import Piece, Recorder, Walk, chain, in_order, summarize
 from .simulate import Simulation, _plus, cublas_workspaces
 from .trace import run_target
@@ -172,7 +174,7 @@ class Library:
                     continue
                 rule = self._shared(made_key, made[1], size, kind, freed_key, freed[1],
                                     by_maker=name[3] is not None and by == name[3])
-                rule["not"].update(_passed(name[3], by, freed_key, where, st))
+                rule["not"].update(passed(name[3], by, freed_key, where, st))
                 rule["handed"] = rule.get("handed", False) or handed
             self.skeletons[step] = skeleton
             self.optimizer[step] = optimizer
@@ -262,7 +264,7 @@ class Library:
             # shown whether a block of some state here holds it: the cut of the setting's own
             # first blocks shows who holds it first
             for k in (CUT, CUT + 2):
-                head = self._head(setting, k)
+                head = head_of(setting, self.stacks, k)
                 if k > min(self.stacks) or ((k,) * len(self.stacks), head) in self.simulated or \
                         not self._unknown(setting):
                     continue
@@ -288,16 +290,6 @@ class Library:
             p.assumed = self.assumed
         return Simulation(self.rank, peaks, loads, how="composed", stream=None,
                           assumed=self.assumed, composition=comp)
-
-    def _head(self, setting, k):
-        """The cut layout of ``setting``'s first ``k`` blocks of each stack (a region cut at
-        the k-th block)."""
-        out, first = [], 0
-        for s, n in enumerate(self.stacks):
-            out += [(a - first + s * k, min(b, first + k) - first + s * k, on)
-                    for a, b, on in setting.segments if first <= a < first + k]
-            first += n
-        return tuple(out)
 
     def _unknown(self, setting):
         """Is there a shared storage whose holders in ``setting`` no cut has shown: a block
@@ -444,38 +436,3 @@ class Library:
                 for n in range(count[w]):
                     if got:
                         walk.add(got[0] if n == 0 else got[-1], "optimizer")
-
-
-def _passed(maker, by, freed, where, st):
-    """The (stack, state)s a shared storage's free shows hold it not: the blocks after its
-    maker (``maker``: a block of the cut, or None: made outside the blocks) and before the one
-    that let it go in its backward (``by``, the lowest holder: the backward meets it last), or
-    every block after its maker where none let it go."""
-    start = 0 if maker is None else maker + 1
-    held = freed[1] == "backward" and freed[3] in ("B", "R", "r") and by is not None
-    if held and by == maker:
-        return set()
-    stop = by if held else len(where)
-    return {(where[b][0], st[b]) for b in range(start, stop)}
-
-
-def composable(cfg, above):
-    """Is ``cfg``'s step composed (`Library`) rather than simulated whole: a model of more than
-    ``above`` parameters, every stack longer than the largest cut, no DDP comm hook (whose
-    buffers follow the buckets, not the blocks)?"""
-    stacks = cfg.checkpoint.stacks
-    return cfg.info.n_params > above and min(stacks) > CUT + 4 and cfg.comm_hook is None and \
-        proven(cfg)
-
-
-def proven(cfg):
-    """Is the composition of ``cfg``'s setting held to the whole simulation, to the byte
-    (tests/test_compose.py, --breadth for the matrix)? Every checkpoint setting (none, segments,
-    every block, any selective list), in fp32 and bf16, with DDP, ZeRO-1 or FSDP, accumulation,
-    on one stack; on several (T5's encoder and decoder) with DDP or ZeRO-1. Not yet: FSDP on
-    several stacks (T5 at 9 + 9 blocks: its all-gather buffers 0.5-5 KiB off, the prefetch of
-    the decoder's first block, which alone holds the position bias, reaching past its
-    neighbour); ZeRO-2, HSDP and fp16 are untested: those are simulated whole."""
-    if cfg.strategy not in ("ddp", "ddp_zero1", "fsdp") or cfg.precision not in ("fp32", "bf16"):
-        return False
-    return not (cfg.checkpoint.several and is_fsdp(cfg.strategy))
