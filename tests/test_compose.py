@@ -87,6 +87,20 @@ def test_fsdp_composes_to_the_whole_step(precision, values):
         same(composed, simulate(cfg), cfg)
 
 
+def test_segments_of_the_built_in_gpt_compose_to_the_whole_step():
+    """The built-in GPT (its ``nn.Sequential`` runs each segment under torch's checkpoint,
+    which takes the CPU generator's state before the segment's first block runs) in bf16, 8
+    blocks in 3 regions of 2 and 2 plain ones: composed from a cut of 6 blocks, equal to the
+    whole simulation (was 4.9 KiB low in the forward: a region's generator state was the block
+    before it's, and a cut's block before a plain one made none)."""
+    base = ddpkit.TrainConfig(model="gpt", n_blocks=8, width=32, seq_len=16, micro_batch=2,
+                              precision="bf16", optimizer="adamw", **CPU)
+    cfg = base.replace(checkpoint=4)
+    composed = Library(base, 0, simulate).compose(cfg.checkpoint)
+    assert proven(cfg) and composed.composition.simulated[0][0] == (6,)
+    same(composed, simulate(cfg), cfg)
+
+
 @pytest.mark.parametrize("change, slack", [
     pytest.param(dict(), 0, marks=BREADTH), pytest.param(dict(strategy="fsdp"), 0, marks=BREADTH),
     pytest.param(dict(accum_steps=3), 0, marks=BREADTH),
@@ -153,7 +167,7 @@ def test_a_selective_list_on_two_stacks_composes_to_the_whole_step():
 
 @pytest.mark.breadth
 @pytest.mark.parametrize("strategy", [
-    "ddp", "ddp_zero1",
+    "ddp",
     pytest.param("fsdp", marks=pytest.mark.xfail(strict=True, reason=(
         "FSDP on several stacks is not exact yet (the all-gather buffers 0.5-5 KiB off): "
         "simulated whole (compose.proven)")))])

@@ -213,7 +213,7 @@ class Recorder:
         for key, at, block in self.given:
             by_key.setdefault(key, []).append((at - first, block))
         self._handed = by_key
-        for a, b, name in _cuts(events, points):
+        for a, b, name in self._regions_open(_cuts(events, points), events):
             if a == b:
                 continue
             if events[a][3] == "optimizer":
@@ -238,6 +238,25 @@ class Recorder:
                 kind_of.append(kinds[i])
             pieces.append((name, events[a][3], sizes, kind_of))
         self.steps.append((pieces, shared))
+
+    def _regions_open(self, cuts, events):
+        """``cuts`` with the CPU generator's state a region takes as it opens (torch's
+        checkpoint around an ``nn.Sequential``'s segment, before its first block's hooks run) in
+        that block's forward, not at the end of the piece before (which the block before it, or
+        the model's stem, runs whatever follows)."""
+        taken = getattr(self.live, "rng_states", ())
+        cuts = list(cuts)
+        for n in range(1, len(cuts)):
+            a, b, name = cuts[n]
+            if name[2] != "F" or self.region_of.get(name[3], (None,))[0] != name[3]:
+                continue
+            start = a
+            while start > cuts[n - 1][0] and events[start - 1][0] > 0 and \
+                    events[start - 1][1] in taken:
+                start -= 1
+            cuts[n - 1] = (cuts[n - 1][0], start, cuts[n - 1][2])
+            cuts[n] = (start, b, name)
+        return cuts
 
     def _blocks_given(self, key, born, died):
         """The blocks that were handed the storage at ``key`` while it lived (event indexes
