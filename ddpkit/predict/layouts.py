@@ -43,16 +43,12 @@ def states(setting, fine=False):
     last block's backward prefetches (the second to last: 'Cf>' in a region of two, or 'Cm>').
     ``fine`` (FSDP, whose recompute gathers blocks its backward would prefetch): a region's
     blocks also say its length (2, 3, 4 or more) and the first and last what is next to the
-    region ('-': nothing, else the neighbour's state), and a plain block the state of the
-    block before it ('P<C1')."""
+    region ('-': nothing, else the neighbour's state)."""
     out, segs = [], setting.segments
     for n, (a, b, on) in enumerate(segs):
         for j in range(a, b):
             if not on or b - a == 1:
-                x = "P" if not on else "C1"
-                if fine and not on:  # FSDP: a plain block's backward prefetches the one before
-                    x += "<" + ("P" if j > a else _outside_state(segs, n - 1, last=True))
-                out.append(x)
+                out.append("P" if not on else "C1")
                 continue
             x = "Cf" if j == a else "Cl" if j == b - 1 else "Cm"
             x += ">" if j == b - 2 else ""
