@@ -147,6 +147,7 @@ class Library:
             self._keep(rec, where, st, cfg.accum_steps, setting, sim)
 
     def _keep(self, rec, where, st, accum, setting, sim):
+        known = set(self.raw)  # pieces of earlier cuts
         for step, (pieces, shared) in enumerate(rec.steps):
             skeleton, optimizer, keys, other = [], [], [], set()
             for (phase, micro, kind, block), _, sizes, kinds in pieces:
@@ -160,9 +161,11 @@ class Library:
                 if phase == "optimizer":  # in order: a block's runs come back per foreach op
                     optimizer.append((None if block is None else at,
                                       summarize(sizes, kinds, phase)))
-                elif self.raw.setdefault(key, (phase, sizes, kinds)) != (phase, sizes, kinds):
-                    # a piece another cut ran otherwise (what its context left out): the first
-                    # one's kept, and none of this cut's shared storages placed by it
+                elif key not in known:
+                    self.raw[key] = (phase, sizes, kinds)
+                elif self.raw[key] != (phase, sizes, kinds):
+                    # a piece an earlier cut ran otherwise (what its context left out): the
+                    # earlier one's kept, and none of this cut's shared storages placed by it
                     other.add(key)
             region = {j: (a, b - 1) for a, b in setting.regions for j in range(a, b)}
             for made, size, kind, freed, by_region, handed in shared:
