@@ -147,9 +147,8 @@ class Library:
             self._keep(rec, where, st, cfg.accum_steps, setting, sim)
 
     def _keep(self, rec, where, st, accum, setting, sim):
-        known = set(self.raw)  # pieces of earlier cuts
         for step, (pieces, shared) in enumerate(rec.steps):
-            skeleton, optimizer, keys, other = [], [], [], set()
+            skeleton, optimizer, keys = [], [], []
             for (phase, micro, kind, block), _, sizes, kinds in pieces:
                 mc = micro_class(micro, accum) if phase != "optimizer" else 0
                 if kind in ("start", "begin") or (phase is None and kind.startswith("after")) \
@@ -161,17 +160,11 @@ class Library:
                 if phase == "optimizer":  # in order: a block's runs come back per foreach op
                     optimizer.append((None if block is None else at,
                                       summarize(sizes, kinds, phase)))
-                elif key not in known:
+                else:
                     self.raw[key] = (phase, sizes, kinds)
-                elif self.raw[key] != (phase, sizes, kinds):
-                    # a piece an earlier cut ran otherwise (what its context left out): the
-                    # earlier one's kept, and none of this cut's shared storages placed by it
-                    other.add(key)
             region = {j: (a, b - 1) for a, b in setting.regions for j in range(a, b)}
             for made, size, kind, freed, by_region, handed in shared:
                 made_key, freed_key = keys[made[0]], keys[freed[0]]
-                if made_key in other or freed_key in other:
-                    continue
                 name, by = pieces[made[0]][0], pieces[freed[0]][0][3]
                 ends = region.get(name[3], ())
                 if by_region:  # the region's (freed by its first or its last block)
