@@ -87,13 +87,28 @@ def test_fsdp_composes_to_the_whole_step(precision, values):
         same(composed, simulate(cfg), cfg)
 
 
+def test_segments_of_the_built_in_gpt_compose_to_the_whole_step():
+    """The built-in GPT (its ``nn.Sequential`` runs each segment under torch's checkpoint,
+    which takes the CPU generator's state before the segment's first block runs) in bf16, 8
+    blocks in 3 regions of 2 and 2 plain ones: composed from a cut of 6 blocks, equal to the
+    whole simulation (was 4.9 KiB low in the forward: a region's generator state was the block
+    before it's, and a cut's block before a plain one made none)."""
+    base = ddpkit.TrainConfig(model="gpt", n_blocks=8, width=32, seq_len=16, micro_batch=2,
+                              precision="bf16", optimizer="adamw", **CPU)
+    cfg = base.replace(checkpoint=4)
+    composed = Library(base, 0, simulate).compose(cfg.checkpoint)
+    assert proven(cfg) and composed.composition.simulated[0][0] == (6,)
+    same(composed, simulate(cfg), cfg)
+
+
 @pytest.mark.parametrize("change, slack", [
     pytest.param(dict(), 0, marks=BREADTH), pytest.param(dict(strategy="fsdp"), 0, marks=BREADTH),
     pytest.param(dict(accum_steps=3), 0, marks=BREADTH),
     # its partition of the state, along a line: to bytes
     pytest.param(dict(optimizer="zero1"), 64, marks=BREADTH),
-    # a position tensor's kind, not its bytes
-    pytest.param(dict(precision="bf16"), 256, marks=BREADTH),
+    # a storage the blocks' casts hand on (autocast's cache, freed as the forward ends): not
+    # a region's where a cut's region ends at its stack's end (was 144 KiB off in the forward)
+    pytest.param(dict(precision="bf16"), 0, marks=BREADTH),
 ], ids=["ddp", "fsdp", "accum3", "zero1", "bf16"])
 def test_the_composed_step_is_the_whole_step(change, slack):
     """Every kind of setting on 9 blocks: none, every block, segments of 3 and of 2 blocks (a
@@ -105,15 +120,16 @@ def test_the_composed_step_is_the_whole_step(change, slack):
     lib = Library(base, 0, simulate)
     for value in SETTINGS:
         cfg = base.replace(checkpoint=value)
-        if not proven(cfg):  # bf16 with segments or a list: simulated whole (compose.proven)
-            assert cfg.precision == "bf16" and cfg.checkpoint.regions
-            continue
+        assert proven(cfg)
         composed = lib.compose(cfg.checkpoint)
         assert composed.how == "composed" and composed.composition.simulated
         same(composed, simulate(cfg), cfg, slack)
-    # the pieces of a setting already seen come from no new simulation
-    runs = len(lib.simulated)
+    # the pieces of settings already seen come from no new simulation: a list again, and
+    # every block
     lib.compose(base.checkpoint.with_value([i % 2 == 1 for i in range(9)]))
+    runs = len(lib.simulated)
+    for value in ([i % 2 == 1 for i in range(9)], "full"):
+        lib.compose(base.checkpoint.with_value(value))
     assert len(lib.simulated) == runs
 
 
@@ -150,13 +166,15 @@ def test_a_selective_list_on_two_stacks_composes_to_the_whole_step():
 
 
 @pytest.mark.breadth
-@pytest.mark.xfail(strict=True, reason="several stacks do not compose exactly yet (a ledger of "
-                   "negative bytes with none, 0.1% off with segments): simulated whole")
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [
+    "ddp",
+    pytest.param("fsdp", marks=pytest.mark.xfail(strict=True, reason=(
+        "FSDP on several stacks is not exact yet (the all-gather buffers 0.5-5 KiB off): "
+        "simulated whole (compose.proven)")))])
 def test_a_two_stack_model_composes_to_its_whole_step(strategy):
     """T5's encoder and decoder, 9 blocks each (block 0 of each holds the position bias): a
-    selective list across both stacks, segments per stack and every block, composed from cuts
-    of 4 blocks per stack, equal to the whole simulation to the byte."""
+    selective list across both stacks, segments per stack, every block and none, composed from
+    cuts of 4 to 8 blocks per stack, equal to the whole simulation to the byte."""
     pytest.importorskip("transformers")
     base = ddpkit.TrainConfig(model=t5(), data=pairs, micro_batch=2, optimizer="adamw",
                               strategy=strategy, **CPU)
@@ -164,7 +182,7 @@ def test_a_two_stack_model_composes_to_its_whole_step(strategy):
     mask = [i % 3 != 1 for i in range(9)] + [i % 2 == 0 for i in range(9)]
     for value in (mask, 2, "full", None):
         cfg = base.replace(checkpoint=value)
-        assert not proven(cfg)  # so ddpkit simulates several stacks whole (compose.proven)
+        assert proven(cfg) == (strategy != "fsdp")  # else ddpkit simulates it whole
         composed = lib.compose(cfg.checkpoint)
         assert all(k == (4, 4) or k == (6, 6) or k == (8, 8) for k, _ in
                    composed.composition.simulated)

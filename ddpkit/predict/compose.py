@@ -35,7 +35,9 @@ import threading
 
 from ..engine.memory import KINDS
 from ..engine.strategies import is_fsdp
-from .layouts import CUT, Layout, candidates, layout_text, micro_class, role, segment_like, states
+from .layouts import (CUT, Layout, candidates, head_of, layout_text, micro_class, passed, role,
+                      segment_like, states)
+from .layouts import composable, proven  # noqa: F401 - asked of the composition, kept here
 from .pieces import Piece, Recorder, Walk, chain, in_order, summarize
 from .simulate import Simulation, _plus, cublas_workspaces
 from .trace import run_target
@@ -161,17 +163,19 @@ class Library:
                 else:
                     self.raw[key] = (phase, sizes, kinds)
             region = {j: (a, b - 1) for a, b in setting.regions for j in range(a, b)}
-            for made, size, kind, freed in shared:
+            for made, size, kind, freed, by_region, handed in shared:
                 made_key, freed_key = keys[made[0]], keys[freed[0]]
                 name, by = pieces[made[0]][0], pieces[freed[0]][0][3]
                 ends = region.get(name[3], ())
-                if name[2] in ("F", "R") and by in ends and by != name[3]:  # the region's
+                if by_region:  # the region's (freed by its first or its last block)
                     back = len(self.raw[freed_key][1]) - freed[1]  # from the piece's end
                     self.held.setdefault((made_key, made[1], by == ends[1]), {}).setdefault(
                         freed_key[6], (freed_key[:4], back, size, kind))
                     continue
-                self._shared(made_key, made[1], size, kind, freed_key, freed[1],
-                             by_maker=name[3] is not None and pieces[freed[0]][0][3] == name[3])
+                rule = self._shared(made_key, made[1], size, kind, freed_key, freed[1],
+                                    by_maker=name[3] is not None and by == name[3])
+                rule["not"].update(passed(name[3], by, freed_key, where, st))
+                rule["handed"] = rule.get("handed", False) or handed
             self.skeletons[step] = skeleton
             self.optimizer[step] = optimizer
             k = len(where) // len(self.stacks)  # ZeRO-1's lines: the step's figures per cut
@@ -188,7 +192,7 @@ class Library:
         """What the model made outside the blocks, freed by its last holder: by the state of the
         block that held it last (the lowest-numbered holder, the last the backward meets), or
         where nothing held it."""
-        rule = self.shared.setdefault((made, offset), {"size": size, "held": {},
+        rule = self.shared.setdefault((made, offset), {"size": size, "held": {}, "not": set(),
                                                        "unheld": None, "maker": None})
         # what it is (an activation where a block keeps it, else a temporary) goes with who
         # held it: ``kind`` is put on its allocation and its free alike
@@ -202,6 +206,7 @@ class Library:
                 freed[5], (freed[:4], back, kind))
         else:
             rule["unheld"] = (freed, back, kind)
+        return rule
 
     def _free(self, out, rule, made, offset, home, where, st):
         """The free of one shared storage (made by block ``home``, or outside the blocks)."""
@@ -239,12 +244,15 @@ class Library:
             n = len(sizes)  # a negative offset counts from the piece's end
             changes = [(o if o >= 0 or size is None else max(n + o, 0), size, kind)
                        for o, size, kind in changes]
-            for offset, size, kind in sorted(changes, key=lambda c: (-c[0], c[1] is None)):
+            # offsets are the piece's own: kinds set first, then frees put in from the end (a
+            # free put in at an allocation's offset goes before it, and moves it on)
+            for offset, size, kind in changes:
                 if size is None:
                     kinds[offset] = kind
-                else:
-                    sizes.insert(min(offset, len(sizes)), size)
-                    kinds.insert(min(offset, len(kinds)), kind)
+            for offset, size, kind in sorted((c for c in changes if c[1] is not None),
+                                             key=lambda c: -c[0]):
+                sizes.insert(min(offset, len(sizes)), size)
+                kinds.insert(min(offset, len(kinds)), kind)
         return summarize(sizes, kinds, phase)
 
     # ------------------------------------------------------------------ composing
@@ -252,10 +260,15 @@ class Library:
         """The `Simulation` of ``setting`` on the whole model, from the library's pieces."""
         with self.lock:
             self.need(setting)
-            mine = set(zip((w[0] for w in self._where(setting)), states(setting, self.fine)))
-            if any(r["unheld"] is None and not set(r["held"]) & mine
-                   for r in self.shared.values()):
-                self.add(tuple((a, a + 1, False) for a in range(CUT * len(self.stacks))), CUT)
+            # a storage made for the blocks that follow (T5's position bias), where no cut has
+            # shown whether a block of some state here holds it: the cut of the setting's own
+            # first blocks shows who holds it first
+            for k in (CUT, CUT + 2):
+                head = head_of(setting, self.stacks, k)
+                if k > min(self.stacks) or ((k,) * len(self.stacks), head) in self.simulated or \
+                        not self._unknown(setting):
+                    continue
+                self.add(head, k)
             if self.zero and len(self.per_cut) < 2:  # a second size, for the lines
                 k = CUT + 2 if CUT in self.per_cut else CUT
                 self.add(tuple((s * k + a, s * k + a + 1, False) for s in range(len(self.stacks))
@@ -277,6 +290,27 @@ class Library:
             p.assumed = self.assumed
         return Simulation(self.rank, peaks, loads, how="composed", stream=None,
                           assumed=self.assumed, composition=comp)
+
+    def _unknown(self, setting):
+        """Is there a shared storage whose holders in ``setting`` no cut has shown: a block
+        after its maker, before any known holder, of a (stack, state) not known to let it be?"""
+        where, st = self._where(setting), states(setting, self.fine)
+        for (made, _), rule in self.shared.items():
+            if rule["maker"] is not None or not rule.get("handed"):
+                continue  # its maker keeps it, or no other block was handed it to hold
+            homes = [None] if made[4] is None else \
+                [b for b, w in enumerate(where) if w == made[4:6] and st[b] == made[6]]
+            reach = -1  # blocks up to here seen: a known holder's, or the end
+            for home in homes:
+                b = 0 if home is None else home + 1
+                if b <= reach:
+                    continue
+                while b < len(where) and (where[b][0], st[b]) not in rule["held"]:
+                    if (where[b][0], st[b]) not in rule["not"]:
+                        return True
+                    b += 1
+                reach = b
+        return False
 
     def _line(self, figure):
         """``figure`` (a list of numbers) of the cut, carried along the line through the two
@@ -369,10 +403,10 @@ class Library:
             region = {b - 1: a for a, b in setting.regions}  # region's last block -> its first
             for b in reversed(range(len(where))):
                 yield "B", b
-                if b in region:
+                if b in region:  # each block run again, and what follows it to the next
                     for j in range(region[b], b + 1):
                         yield "R", j
-                    yield "r", b
+                        yield "r", j
                 if b in firsts:
                     yield "H", b
 
@@ -402,26 +436,3 @@ class Library:
                 for n in range(count[w]):
                     if got:
                         walk.add(got[0] if n == 0 else got[-1], "optimizer")
-
-
-def composable(cfg, above):
-    """Is ``cfg``'s step composed (`Library`) rather than simulated whole: a model of more than
-    ``above`` parameters, every stack longer than the largest cut, no DDP comm hook (whose
-    buffers follow the buckets, not the blocks)?"""
-    stacks = cfg.checkpoint.stacks
-    return cfg.info.n_params > above and min(stacks) > CUT + 4 and cfg.comm_hook is None and \
-        proven(cfg)
-
-
-def proven(cfg):
-    """Is the composition of ``cfg``'s setting held to the whole simulation, to the byte
-    (tests/test_compose.py, --breadth for the matrix)? One stack: in fp32 any setting; in bf16
-    a setting alike on every block (none, every block). Not yet: bf16 with segments or a
-    selective list (a storage the blocks' casts hand on is placed 16 KiB off), and several
-    stacks (T5 at 9 + 9 blocks: a ledger of negative bytes with none, 5 KiB off with FSDP and
-    every block): those are simulated whole."""
-    setting = cfg.checkpoint
-    alike = setting.value is None or setting.value == "full" or all(setting.mask) or \
-        not any(setting.mask)
-    return not setting.several and (alike or cfg.precision == "fp32")
-

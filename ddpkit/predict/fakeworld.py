@@ -190,6 +190,7 @@ def watch_rng_states(live, on):
     def get_rng_state():
         state = original()
         live.add(state.untyped_storage())
+        live.rng_states.add(state.untyped_storage()._cdata)
         return state
     if on:
         torch.get_rng_state = get_rng_state

@@ -203,7 +203,9 @@ class Recorder:
         kind -> {storage key: bytes}). A storage the model makes outside the blocks' forward
         (``shared``: a mask, positions, the embeddings' output) is freed wherever its last holder
         lets go, which depends on the other blocks: its free is left out of the piece it falls
-        in and kept as ``(allocated at, bytes, kind, freed at)``, each place a (piece, offset)."""
+        in and kept as ``(allocated at, bytes, kind, freed at, a region's, handed on)``, each
+        place a (piece, offset); a region's: freed with the region whose block made it; handed
+        on: passed to a block other than its maker (only such a block can hold it)."""
         self.bases.append(self._by_block(ledger, census))
         kinds = event_kinds(ledger, events)
         pieces, home, shared = [], {}, []
@@ -211,45 +213,73 @@ class Recorder:
         for key, at, block in self.given:
             by_key.setdefault(key, []).append((at - first, block))
         self._handed = by_key
-        for a, b, name in _cuts(events, points):
+        for a, b, name in self._regions_open(_cuts(events, points), events):
             if a == b:
                 continue
             if events[a][3] == "optimizer":
                 pieces += self._optimizer_runs(a, b, events, kinds, start)
                 continue
-            at, sizes, kind_of = len(pieces), [], []
+            at, sizes, kind_of, made_any = len(pieces), [], [], False
             for i in range(a, b):
                 size, key = events[i][0], events[i][1]
                 if size > 0:
                     home[key] = (at, len(sizes), i)
+                    made_any = True
                 else:
                     made = home.pop(key, None)
-                    if made is not None and made[0] != at and \
-                            self._left_out(pieces[made[0]][0], name, self._blocks_given(
-                                key, made[2], i), not sizes):
-                        shared.append((made[:2], -size, kinds[i], (at, len(sizes))))
+                    given = made is not None and self._blocks_given(key, made[2], i)
+                    why = made is not None and made[0] != at and self._left_out(
+                        pieces[made[0]][0], name, given, not sizes, made_any)
+                    if why:  # and whether a block other than its maker was handed it
+                        shared.append((made[:2], -size, kinds[i], (at, len(sizes)),
+                                       why == "region", bool(given - {pieces[made[0]][0][3]})))
                         continue
                 sizes.append(size)
                 kind_of.append(kinds[i])
             pieces.append((name, events[a][3], sizes, kind_of))
         self.steps.append((pieces, shared))
 
+    def _regions_open(self, cuts, events):
+        """``cuts`` with the CPU generator's state a region takes as it opens (torch's
+        checkpoint around an ``nn.Sequential``'s segment, before its first block's hooks run) in
+        that block's forward, not at the end of the piece before (which the block before it, or
+        the model's stem, runs whatever follows)."""
+        taken = getattr(self.live, "rng_states", ())
+        cuts = list(cuts)
+        for n in range(1, len(cuts)):
+            a, b, name = cuts[n]
+            if name[2] != "F" or self.region_of.get(name[3], (None,))[0] != name[3]:
+                continue
+            start = a
+            while start > cuts[n - 1][0] and events[start - 1][0] > 0 and \
+                    events[start - 1][1] in taken:
+                start -= 1
+            cuts[n - 1] = (cuts[n - 1][0], start, cuts[n - 1][2])
+            cuts[n] = (start, b, name)
+        return cuts
+
     def _blocks_given(self, key, born, died):
         """The blocks that were handed the storage at ``key`` while it lived (event indexes
         ``born`` to ``died``: an address is taken again once its storage has died)."""
         return {block for at, block in self._handed.get(key, ()) if born <= at <= died}
 
-    def _left_out(self, made, freed, given, first=False):
+    def _left_out(self, made, freed, given, first=False, after_made=False):
         """Is this a storage whose free depends on other blocks: made outside the blocks'
         forward, by a block for all that follow (T5's position bias: handed to two or more),
-        or by a block of a region and freed with the region (by its first block)? ``first``:
-        the free is the first event of its piece (``freed``)."""
+        or by a block of a region and freed with the region (by its first or its last block:
+        'region')? ``first``: the free is the first event of its piece (``freed``);
+        ``after_made``: the piece made a storage before it."""
         if _outside(made):
             return True
         block, region = made[3], self.region_of.get(made[3])
+        # a region's, freed with it (by its first or its last block); not what the end of the
+        # forward frees (autocast's casts of the weights, its cache cleared as the forward's
+        # context exits) where the region's last block is the stack's (a cut's region at its
+        # end): a region lets go of its blocks' as its last returns, before the code after it
+        # makes anything
         if made[2] in ("F", "R") and region is not None and freed[3] in region and \
-                freed[3] != block:
-            return True  # a region's, freed with it (by its first or its last block)
+                freed[3] != block and not (freed[2] == "G" and after_made):
+            return "region"
         if made[0] != "forward" or made[2] != "F":
             return False
         lasts = {b - 1 for _, b in self.stacks}

@@ -77,6 +77,7 @@ class LiveStorages(TorchDispatchMode):
         self._refs = {}
         self.accumulations = Accumulations(self)  # autograd's in-place sums (`fakeworld`)
         self.observer = None  # a `pieces.Recorder`: which block each op's storages are for
+        self.rng_states = set()  # keys of the CPU generator states taken (`watch_rng_states`)
 
     def _size(self, nbytes):
         return -(-nbytes // self.block) * self.block if nbytes else 0
