@@ -6,26 +6,19 @@ import math
 from ddpkit.predict.machine import Machine
 
 SIZES = [8, 1024]
-KINDS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
 
 
-def synthetic(comm_share=0.0, key="", in_step=None, wake=None):
+def synthetic(comm_share=0.0, key=""):
     """1 GFLOP/s for every matrix product, 1 GB/s for every memory-bound op, 1 us per op
-    dispatched, 100 us + 1 ms per MB for each collective. ``in_step``: (per call, per byte)
-    seconds a collective takes from a computing rank (`Machine.comm_in_step`, every kind and
-    rank count); ``wake``: seconds a collective takes beyond its time alone on an idle
-    transport (`Machine.comm_wake`, every kind, size and rank count)."""
+    dispatched, 100 us + 1 ms per MB for each collective."""
     flat = [[[math.log(1e9)] * 2 for _ in range(2)] for _ in range(2)]
-    coll = {f"{k}/{n}": [(1, 1e-4), (2**30, 1e-4 + 2**30 / 1e9)] for k in KINDS for n in (2, 4)}
+    coll = {f"{k}/{n}": [(1, 1e-4), (2**30, 1e-4 + 2**30 / 1e9)]
+            for k in ("allreduce", "allgather", "reduce_scatter", "broadcast") for n in (2, 4)}
     return Machine("rates for tests", gemm={"float32": {"sizes": SIZES, "log_rate": flat}},
                    attention={"float32": {"forward": [(1, 1e9)], "backward": [(1, 1e9)]}},
                    memory={"bytes_per_s": [(1, 1e9)], "ops": {}},
                    overhead=dict(forward=1e-6, backward=1e-6, optimizer=1e-6, other=1e-6),
-                   collectives=coll, comm_cpu_share=comm_share, key=key,
-                   comm_in_step={} if in_step is None else {
-                       n: {k: list(in_step) for k in KINDS} for n in ("2", "4")},
-                   comm_wake={} if wake is None else {
-                       f"{k}/{n}": [(1, wake), (2**30, wake)] for k in KINDS for n in (2, 4)})
+                   collectives=coll, comm_cpu_share=comm_share, key=key)
 
 
 def install(monkeypatch, tmp_path):

@@ -128,70 +128,19 @@ def test_a_collective_that_holds_the_core_delays_compute_by_its_own_work_not_the
     assert wire_held.seconds - wire_free.seconds <= own * 1.01
 
 
-def test_each_collective_takes_its_measured_cpu_from_compute_so_more_calls_cost_more():
-    """Where the machine measured what a collective costs a computing rank (`comm_in_step`:
-    per call and per byte), each bucket's all-reduce during the backward delays it by that
-    much: the same gradients in many small buckets predict more time than in one, by about
-    the cost per call for each call more; the delay is booked as exposed communication."""
-    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=128, seq_len=64, micro_batch=2,
-                             world_size=2)  # a backward long enough to hide the buckets
-    per_call = 2e-4
-
-    def delay(cap):  # what the calls' measured cost adds to the same step
-        free, held = (step_time(cfg.replace(bucket_cap_mb=cap), machine=machine(in_step=c))
-                      for c in ((0.0, 0.0), (per_call, 0.0)))
-        compute = [k for k in LEDGER if k != "exposed_comm"]
-        assert sum(held.ledger[k] for k in compute) == pytest.approx(
-            sum(free.ledger[k] for k in compute), rel=1e-9)
-        tl = held.timeline
-        blocks = tl[(tl.kind == "backward") & tl.name.str.startswith("block")]
-        backward_end = blocks.end_s.max()  # the blocks' compute (the stem waits the buckets)
-        inside = ((tl.kind == "allreduce") & (tl.end_s <= backward_end)).sum()
-        return held.seconds - free.seconds, inside, (tl.kind == "allreduce").sum()
-    (many, inside, n_many), (one, _, n_one) = delay(0.01), delay(100)
-    assert n_many > n_one + 10 and inside > n_many / 2
-    # each call that runs while the backward computes delays it by its cost
-    assert many >= 0.99 * per_call * inside
-    assert many - one >= 0.99 * per_call * (inside - n_one)
-
-
-def test_a_collective_finding_the_transport_idle_pays_its_wake_up_one_queued_does_not():
-    """`Machine.comm_wake`: a collective issued after the rank computed (gloo's worker and the
-    peers asleep) takes its measured wake-up beyond its time alone; one issued while another
-    runs starts when it ends, as `rates.collective_points` times them (back to back)."""
-    from ddpkit.predict.player import _Comm
-
-    wake = 3e-3
-    comm = _Comm(machine(wake=wake), ranks=2, link=None)
-    alone = machine().collective_s("allgather", 2**20, 2)
-    first = comm.run("allgather", 2**20, 0.0, "a", 0)
-    second = comm.run("allgather", 2**20, first / 2, "b", 0)  # issued while the first runs
-    third = comm.run("allgather", 2**20, second + 1.0, "c", 0)  # after a second of compute
-    assert first == pytest.approx(alone + wake)
-    assert second - first == pytest.approx(alone)
-    assert third - (second + 1.0) == pytest.approx(alone + wake)
-    # FSDP waits on each all-gather before the block that reads it: each pays it
-    cfg = ddpkit.TrainConfig(model="gpt", n_blocks=4, width=64, seq_len=16, micro_batch=2,
-                             world_size=2, strategy="fsdp", optimizer="adamw")
-    slept, awake = (step_time(cfg, machine=machine(wake=w)) for w in (wake, 0.0))
-    gathers = (awake.timeline.kind == "allgather").sum()
-    assert slept.seconds - awake.seconds >= 0.99 * wake * gathers / 2
-
-
-def test_calibration_fits_the_cost_per_call_and_per_byte_of_a_collective_and_of_an_op():
-    """`instep.fit` recovers a collective's CPU cost per call and per byte from its CPU by
-    size, and `calibrate.fit_costs` the per-byte cost that reproduces the reference steps'
-    ops' in-step seconds."""
-    from ddpkit.predict import calibrate, instep, replay
-
-    rows = [(b, 3e-4 + 6e-10 * b) for b in (1024 * 4**i for i in range(9))]
-    fitted = instep.fit({"allreduce/2": rows})["allreduce"]
-    assert fitted[1] == pytest.approx(6e-10, rel=1e-3)
-    assert fitted[0] == pytest.approx(3e-4, rel=1e-2)
+def test_calibration_fits_the_share_and_the_per_byte_cost_it_is_shown():
+    """`calibrate.fit_share` recovers the share of a core that reproduces reference steps'
+    wall times, and `fit_costs` the per-byte cost that reproduces their ops' in-step seconds."""
+    from ddpkit.predict import calibrate, replay
 
     cfgs = [ddpkit.TrainConfig(model=m, n_blocks=2, width=w, micro_batch=4, world_size=2)
             for m, w in (("mlp", 256), ("gpt", 32))]
     streams_ = [simulate(cfg, 0).stream for cfg in cfgs]
+    truth = machine(comm_share=0.6)
+    refs = [(s, {"wall": play(s, truth, ranks=2)[0]}) for s in streams_]
+    guess = machine(comm_share=0.0)
+    assert calibrate.fit_share(guess, refs, ranks=2) == pytest.approx(0.6)
+
     alone, per_byte = 1e-6, 2e-10
     m = machine()
     refs = []

@@ -1,9 +1,7 @@
 """`calibrate()`: this machine's `machine.Machine`, measured once and kept.
 
 It launches ranks (the shared pool's, as a run has them) that measure matrix products,
-attention, memory-bound ops and collectives every rank at once (`rates.py`), with what a
-collective costs a rank inside a step (its CPU per call and per byte, its wake-up after
-compute: `instep.py`); runs the built-in
+attention, memory-bound ops and collectives every rank at once (`rates.py`); runs the built-in
 models' real steps at small sizes with a timeline on every step, and fits the framework's cost
 per dispatched op in each phase to them (least squares over their simulated streams: the cost
 that is most of a small step); measures how much slower a rank computes when more ranks than
@@ -26,9 +24,10 @@ from ..config import TrainConfig
 from ..devices import cuda_gpus
 from ..engine.saving import atomic_write_bytes
 from ..runtime.launch import launch
-from . import hardware, instep, rates, replay
+from . import hardware, rates, replay
 from .machine import Machine
 from .optrace import Op
+from .player import play
 from .simulate import simulate
 
 REFERENCES = (dict(model="gpt", n_blocks=2, width=32, seq_len=16, micro_batch=2, optimizer="adamw"),
@@ -40,7 +39,7 @@ REFERENCES = (dict(model="gpt", n_blocks=2, width=32, seq_len=16, micro_batch=2,
               dict(model="mlp", n_blocks=2, width=512, micro_batch=8))
 """The built-in models' steps the framework's per-op cost is fitted on: two small enough that
 the cost is most of the step, two where compute is, one with recompute, one whose all-reduce
-is most of it."""
+is most of it (the share of a core communication takes, `fit_share`)."""
 
 
 def machine_key(threads):
@@ -119,6 +118,20 @@ def fit_costs(machine, refs):
         overhead[phase + "_view"] = VIEW_WEIGHT * overhead[phase]
     overhead["other"], overhead["other_view"] = overhead["forward"], overhead["forward_view"]
     return overhead, factor, per_byte, max(0.0, statistics.median(fixed))
+
+
+SHARES = [i / 20 for i in range(21)]
+
+
+def fit_share(machine, refs, ranks):
+    """The share of a core a collective takes from compute (`Machine.comm_cpu_share`) that
+    predicts the reference steps' wall seconds best (their relative errors' squares, summed):
+    on CPU ranks gloo's copies and sums run on the cores the ranks compute on."""
+    def error(share):
+        machine.comm_cpu_share = share
+        return sum((play(stream, machine, ranks=ranks)[0] / measured["wall"] - 1) ** 2
+                   for stream, measured in refs)
+    return min(SHARES, key=error)
 
 
 def _launch(fn, *args, world_size, on_metric=None, **kw):
@@ -225,15 +238,14 @@ def _calibrate_cpu(key, progress):
         machine = Machine(f"this machine ({os.cpu_count()} cores, CPU ranks, gloo)",
                           threads=two["threads"], collectives={**two["collectives"],
                                                                **four["collectives"]},
-                          comm_in_step={n: instep.fit(fig["cpu"]) for n, fig in
-                                        (("2", two), ("4", four))},
-                          comm_wake={**two["wake"], **four["wake"]}, key=key)
+                          key=key)
         refs = [(simulate(cfg, 0).stream, measured) for cfg, measured in
                 _reference_steps(2, tick)]
         for stream, _ in refs:
             replay.learn(machine, stream)
         machine.overhead, machine.factor, machine.per_byte, machine.step_s = fit_costs(machine,
                                                                                      refs)
+        machine.comm_cpu_share = fit_share(machine, refs, ranks=2)
     finally:
         if bar is not None:
             bar.close()

@@ -61,14 +61,6 @@ class Machine:
     comm_cpu_share: float = 0.0
     """The share of a collective's time that takes a core from compute (CPU ranks: gloo copies
     and adds on the rank's own cores; a GPU's collectives run beside its compute: 0)."""
-    comm_in_step: dict = dataclasses.field(default_factory=dict)
-    """What a collective takes from a rank computing while it runs (CPU ranks, `instep.fit`):
-    {"ranks": {"kind": [per_call_s, per_byte_s]}}, the CPU a call costs the rank's process
-    (every thread, gloo's too), measured with each collective's time alone. Where it is
-    measured the player uses it (`in_step`) instead of ``comm_cpu_share``."""
-    comm_wake: dict = dataclasses.field(default_factory=dict)
-    """What a collective issued on an idle transport after the rank computed takes beyond its
-    time back to back (`instep.wake_points`): {"kind/ranks": [(payload bytes, seconds)...]}."""
     peak_flops: dict = dataclasses.field(default_factory=dict)
     replayed: dict = dataclasses.field(default_factory=dict)
     """Seconds of each op run again here at its own shapes (`replay`), by its recipe; None
@@ -202,34 +194,6 @@ class Machine:
             return ys[-1] + slope * (nbytes - xs[-1])
         return math.exp(_interp([math.log(max(x, 1)) for x in xs], [math.log(y) for y in ys],
                                 math.log(max(nbytes, 1))))
-
-    def in_step(self, kind, nbytes, ranks):
-        """The seconds of compute one collective of ``nbytes`` over ``ranks`` ranks takes from
-        a rank computing while it runs: its CPU (`comm_in_step`: a cost per call and per byte
-        for that rank count; for one not measured, the nearest one's times the collective's
-        time alone there over its time alone on the measured count), or None where it was
-        not measured."""
-        have = [int(n) for n, fits in self.comm_in_step.items() if kind in fits]
-        if ranks < 2 or not have:
-            return None
-        n0 = min(have, key=lambda n: abs(n - ranks))
-        per_call, per_byte = self.comm_in_step[str(n0)][kind]
-        core = per_call + per_byte * nbytes
-        if n0 != ranks:
-            core *= self.collective_s(kind, nbytes, ranks) / max(
-                self.collective_s(kind, nbytes, n0), 1e-12)
-        return core
-
-    def wake_s(self, kind, nbytes, ranks):
-        """Seconds a collective of ``nbytes`` over ``ranks`` ranks takes beyond its time alone
-        when it finds the transport idle (`comm_wake`: log-linear between the sizes measured,
-        held beyond them, the nearest rank count's); 0 where not measured."""
-        have = [int(k.split("/")[1]) for k in self.comm_wake if k.startswith(kind + "/")]
-        if ranks < 2 or not have:
-            return 0.0
-        points = self.comm_wake[f"{kind}/{min(have, key=lambda n: abs(n - ranks))}"]
-        return _interp([math.log(max(b, 1)) for b, _ in points], [s for _, s in points],
-                       math.log(max(nbytes, 1)))
 
     def _ring_s(self, kind, nbytes, ranks):
         """NCCL's ring (a named device's `hardware` links): ``volume x (N-1)/N x B`` at the

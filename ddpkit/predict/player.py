@@ -8,11 +8,9 @@ ready (the stream's ``bucket`` marks; none in a ``no_sync`` micro-step), they ru
 another, and the backward's end waits for all of them (DDP's finalizer); a collective op
 (ZeRO-1's broadcasts, FSDP2's all-gathers and reduce-scatters) runs when issued and the first op
 that reads what it wrote waits for it (FSDP2's prefetch hides an all-gather behind the block
-before). Where collectives take a core from compute (gloo's threads waking, copying and adding
-on a CPU rank's cores), compute goes slower while they run: each delays compute by its cost
-inside a computing rank, measured by size (`instep.points`, `Machine.in_step`), or, where that
-was not measured, by the machine's one share of the core (`Machine.comm_cpu_share`); the delay
-is booked as exposed communication. A simulated link (``link_gbps``) holds each all-reduce until a
+before). Where collectives take a core from compute (gloo's copies and adds on a CPU rank),
+compute goes slower while they run, by the share `calibrate.fit_share` measured; the delay is
+booked as exposed communication. A simulated link (``link_gbps``) holds each all-reduce until a
 ring over that link would be done, buckets one after another on it, as the rank's
 `engine.timeline.SimulatedLink` does; that wait holds no core.
 """
@@ -38,13 +36,9 @@ class _Comm:
 
     def run(self, kind, nbytes, ready, name, micro):
         start = max(ready, self.free)
-        seconds, share = self.cost(kind, nbytes)
-        if ready >= self.free:  # it finds the transport idle: gloo's worker and peers wake
-            wake = self.machine.wake_s(kind, nbytes, self.ranks)
-            seconds, share = seconds + wake, share * seconds / (seconds + wake or 1.0)
-        end = start + seconds
+        end = start + self.machine.collective_s(kind, nbytes, self.ranks)
         self.free = end
-        self.busy.append((start, end, share))
+        self.busy.append((start, end))
         if self.link is not None and kind == "allreduce":
             gbps, latency = self.link
             begin = max(ready, self.link_free)
@@ -52,18 +46,6 @@ class _Comm:
             end = max(end, self.link_free)
         self.spans.append((start, end, kind, name, nbytes, micro))
         return end
-
-    def cost(self, kind, nbytes):
-        """A collective's seconds on the transport and the share of the core it takes from
-        compute meanwhile: its time alone, in which it delays compute by its cost measured
-        inside a computing rank where the machine has it (`Machine.in_step`; one costing more
-        than its time alone holds the core that long), else by the machine's one share."""
-        alone = self.machine.collective_s(kind, nbytes, self.ranks)
-        core = self.machine.in_step(kind, nbytes, self.ranks)
-        if core is None:
-            return alone, self.machine.comm_cpu_share
-        seconds = max(alone, core)  # one that costs more than its time alone holds the core
-        return seconds, (core / seconds if seconds > 0 else 0.0)
 
 
 class Player:
@@ -83,19 +65,17 @@ class Player:
     def compute(self, work, kind):
         """Advance the compute clock by ``work`` seconds of compute, slower while a collective
         takes its share of the core (the delay is the collective's: booked as exposed)."""
-        t, left = self.t, work
-        busy = [b for b in self.comm.busy if b[2] > 0 and b[1] > t]
-        while left > 0 and busy:
-            running = [(e, sh) for s, e, sh in busy if s <= t < e]
+        share, t, left = self.m.comm_cpu_share, self.t, work
+        while left > 0 and share > 0:
+            running = [e for s, e in self.comm.busy if s <= t < e]
             if not running:
-                later = [s for s, _, _ in busy if s > t]
+                later = [s for s, _ in self.comm.busy if s > t]
                 if not later or t + left <= min(later):
                     break
                 left -= min(later) - t
                 t = min(later)
                 continue
-            until = min([e for e, _ in running] + [s for s, _, _ in busy if s > t])
-            rate = 1.0 - min(1.0, sum(sh for _, sh in running))
+            until, rate = min(running), 1.0 - share
             if rate <= 0.0:  # the collective holds the core: compute waits for its end
                 t = until
             elif t + left / rate <= until:

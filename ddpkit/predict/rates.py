@@ -5,11 +5,9 @@ timed with CUDA events around its kernels, queued back to back (torch's CUDA sem
 "Asynchronous execution": a host clock would time the launches, not the kernels), and the GPU's
 own figures are added (`gpu_figures`: the host's cost of issuing an op, a kernel's fixed cost):
 
-* collectives over the group's transport (gloo on loopback), by size, with the CPU a call
-  costs the rank and what one issued after compute takes beyond one back to back
-  (`rank_figures`, `instep`);
+* collectives over the group's transport (gloo on loopback), by size (`rank_figures`);
 * a reference step's phases, by this thread's CPU time, and its wall time (`reference_phases`:
-  the reference steps' per-op costs are fitted to it, `calibrate.fit_costs`);
+  the share of a core collectives take from compute is fitted to it, `calibrate.fit_share`);
 * and, in the kernel the first time a real-size model needs them (`tables`): matrix products on
   a grid of shapes (m, n, k in 8..1024) in float32 and bfloat16, attention (the CPU flash
   kernel) forward and backward, memory-bound ops by size and each common op's own factor.
@@ -32,7 +30,6 @@ from ..engine import policies, strategies
 from ..engine.data import RankBatches, make_dataset
 from ..engine.step import train_step, zero_grad
 from ..spec.model import build_model
-from . import instep
 
 SIZES = (8, 32, 128, 512, 1024)
 """The grid of matrix sizes (m, n and k each) a matrix product is measured at."""
@@ -209,11 +206,9 @@ def _collective(kind, nbytes, world, device=None):
 
 
 def collective_points(world, kinds=("allreduce", "allgather", "reduce_scatter", "broadcast"),
-                      sizes=COLLECTIVE_SIZES, tick=None, device=None, cpu=None):
+                      sizes=COLLECTIVE_SIZES, tick=None, device=None):
     """{"kind/world": [(payload bytes, seconds)...]}: each collective's median time on this
-    group (every rank runs it; a barrier before each round; on CUDA, events around it). ``cpu``
-    (a dict, CPU ranks): filled the same way with the CPU seconds this process (every thread:
-    the caller's and gloo's) spends on one call (`instep`)."""
+    group (every rank runs it; a barrier before each round; on CUDA, events around it)."""
     import torch.distributed as dist
 
     cuda = device is not None and torch.device(device).type == "cuda"
@@ -226,15 +221,11 @@ def collective_points(world, kinds=("allreduce", "allgather", "reduce_scatter", 
             reps = max(1, min(20, int(2e6 // max(nbytes, 1))))
             if not cuda and reps > 1:
                 reps = _agreed_reps(run, reps, device)
-            times, used = [], []
+            times = []
             for _ in range(5):
                 dist.barrier()
-                before = time.process_time()
                 times.append(_events(run, reps) if cuda else _clocked(run, reps))
-                used.append((time.process_time() - before) / reps)
             points.append((nbytes, statistics.median(times)))
-            if cpu is not None:
-                cpu.setdefault(f"{kind}/{world}", []).append((nbytes, statistics.median(used)))
             if tick:
                 tick()
         out[f"{kind}/{world}"] = points
@@ -280,8 +271,8 @@ def _events(run, reps):
 
 
 def rank_figures(ctx, tick_every=4):
-    """What the ranks measure together: each collective by size on this group, its time and
-    the CPU time a call costs the rank (`instep`); rank 0's figures are returned. ``ctx.log`` ticks the
+    """What the ranks measure together: each collective by size on this group; rank 0's
+    figures are returned. ``ctx.log`` ticks the
     kernel's progress bar."""
     count = [0]
 
@@ -289,10 +280,8 @@ def rank_figures(ctx, tick_every=4):
         count[0] += 1
         if count[0] % tick_every == 0:
             ctx.log(stage="calibrating", done=count[0])
-    cpu = {}
     out = {"threads": torch.get_num_threads(),
-           "collectives": collective_points(ctx.world_size, tick=tick, cpu=cpu), "cpu": cpu,
-           "wake": instep.wake_points(ctx.world_size, _collective, _clocked, tick=tick)}
+           "collectives": collective_points(ctx.world_size, tick=tick)}
     return out if ctx.rank == 0 else None
 
 
