@@ -250,3 +250,18 @@ def test_a_step_of_many_micro_steps_simulated_with_three_is_the_whole_step(
     assert shortened[-1] == k  # simulated with 3 micro-steps, then carried
     assert short.peaks == whole.peaks
     assert _renumbered(short.stream) == _renumbered(whole.stream)
+
+
+def test_a_calibration_is_kept_per_mmap_threshold_the_ranks_run_with(monkeypatch):
+    """CPU ranks with glibc's mmap threshold fixed (``DDPKIT_MMAP_THRESHOLD=131072``) ran
+    1.26-1.40x slower than with glibc's own (bench.malloc): a calibration measured under one
+    is not the other's, so each has its own cache entry."""
+    from ddpkit.predict.calibrate import cache_path, machine_key
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("DDPKIT_MMAP_THRESHOLD", raising=False)
+    dynamic = machine_key(1)
+    monkeypatch.setenv("DDPKIT_MMAP_THRESHOLD", "131072")
+    fixed = machine_key(1)
+    assert "mmap threshold dynamic" in dynamic and "mmap threshold 131072" in fixed
+    assert cache_path(dynamic) != cache_path(fixed)

@@ -21,7 +21,7 @@ import statistics
 import torch
 
 from ..config import TrainConfig
-from ..devices import cuda_gpus
+from ..devices import cuda_gpus, mmap_threshold
 from ..engine.saving import atomic_write_bytes
 from ..runtime.launch import launch
 from . import hardware, rates, replay
@@ -44,7 +44,9 @@ is most of it (the share of a core communication takes, `fit_share`)."""
 
 def machine_key(threads):
     """What a calibration holds for: this host, its processor and cores, torch, the threads of
-    a rank."""
+    a rank, and the CPU ranks' glibc mmap threshold (`devices.mmap_threshold`: ranks with it
+    fixed at 128 KiB ran 1.26-1.40x slower, bench/results.md, so neither's rates are the
+    other's)."""
     import platform
 
     cpu = platform.processor() or ""
@@ -55,7 +57,7 @@ def machine_key(threads):
     except OSError:
         pass
     return (f"{platform.node()} | {cpu} | {os.cpu_count()} cores | torch {torch.__version__} | "
-            f"{threads} thread(s) a rank")
+            f"{threads} thread(s) a rank | mmap threshold {mmap_threshold() or 'dynamic'}")
 
 
 def cache_path(key):
