@@ -105,13 +105,15 @@ def phase_of(by_phase):
 
 
 # ----------------------------------------------------------------------------- the peak
-def summarize(events, totals, base, census, seen):
+def summarize(events, totals, base, census, seen, measured=False):
     """The `Peak` of a step from its allocator events, measured or simulated alike.
 
     ``events``: ``(size, key, fsdp, phase)`` in time order; ``totals``: the bytes live after
     each (what the probe leaves out already taken off); ``base``: live before the first;
     ``census`` and ``seen`` as `ledger_at` takes them. The peak is the highest total reached
-    inside a phase (between phases only a few scalars are made). None if no phase ran."""
+    inside a phase (between phases only a few scalars are made). None if no phase ran.
+    ``measured``: a rank's own step, whose ledger may still count a block gloo freed on its
+    own thread unseen (`unseen_kept`)."""
     by_phase, at = {}, None
     for i, (event, total) in enumerate(zip(events, totals)):
         phase = event[3]
@@ -127,8 +129,32 @@ def summarize(events, totals, base, census, seen):
     # blocks of threads the events do not see (gloo's) move the total without an event
     ledger = Ledger(compact, base, census, seen, unseen_frees(compact, totals, base))
     ledger = ledger.settle(at, totals[at])
+    exact = True
+    if measured:
+        ledger, exact = unseen_kept(ledger)
     return Peak(totals[at], phase_of(by_phase), ledger,
-                {p: by_phase[p] for p in PHASES if p in by_phase}, base=base)
+                {p: by_phase[p] for p in PHASES if p in by_phase}, exact_ledger=exact, base=base)
+
+
+def unseen_kept(ledger):
+    """(ledger, exact) for a rank's measured step. A block gloo frees on its own thread leaves
+    no event; where the allocator's total says so it is ended (`ledger.unseen_frees`), but on a
+    loaded machine one can still be counted live at the peak, and the peak's total, which is
+    right, then leaves another kind negative (seen: other -33,656 B on an FSDP rank). The
+    surplus comes off the kinds gloo frees that way (FSDP's buffers, then temporaries, then the
+    largest), the total kept, and the ledger is marked inexact: a measurement's doubt must not
+    end the user's run (a `Peak` refuses a negative entry)."""
+    deficit = -sum(v for v in ledger.values() if v < 0)
+    if not deficit:
+        return ledger, True
+    out = {k: max(v, 0) for k, v in ledger.items()}
+    for kind in ("fsdp_buffers", "temporaries", *sorted(out, key=out.get, reverse=True)):
+        take = min(out.get(kind, 0), deficit)
+        out[kind] = out.get(kind, 0) - take
+        deficit -= take
+        if not deficit:
+            break
+    return out, False
 
 
 # ----------------------------------------------------------------------------- the probe
@@ -274,7 +300,8 @@ class PeakProbe:
             for keys, t_end in zip(activations.saved_addresses, forward_ends):
                 index = _index_at(times, t_end)
                 seen += [("activations", key, index) for key in keys]
-        return summarize([(e[1], e[2], e[5], e[4]) for e in events], totals, base, census, seen)
+        return summarize([(e[1], e[2], e[5], e[4]) for e in events], totals, base, census, seen,
+                         measured=True)
 
     def _cuda_peak(self, model, optimizer, buckets, activations):
         by_phase = {p: self._by_phase[p] for p in PHASES if p in self._by_phase}
