@@ -126,10 +126,6 @@ class Mark:
     stream: int = 0
 
 
-def _tensors(values):
-    return tensors_in(values)
-
-
 def _elements_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -202,9 +198,9 @@ class OpTrace(TorchDispatchMode):
         cuda_kernel = self._region(name, args)
         if cuda_kernel is False:
             return out  # a stand-in's own work, which the CUDA kernel does not do
-        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        ins, outs = tensors_in((args, kwargs)), tensors_in(out)
         if not outs and name.startswith("_foreach_") and name.endswith("_"):
-            outs = _tensors(args[0])  # an in-place foreach op returns nothing: it writes self
+            outs = tensors_in(args[0])  # an in-place foreach op returns nothing: it writes self
         reads = {t.untyped_storage()._cdata for t in ins}
         waited = [i for key, i in self._pending.items() if key in reads]
         for i in waited:
@@ -327,7 +323,7 @@ def _argument(func, args, kwargs, name):
 
 
 def _grad_tensor(values):
-    return next((t for t in _tensors(values) if t.requires_grad), None)
+    return next((t for t in tensors_in(values) if t.requires_grad), None)
 
 
 def _attention_shape(args):
@@ -349,4 +345,3 @@ def _group_size(args):
             except Exception:  # not a process group (a work or options object)
                 continue
     return 1
-
